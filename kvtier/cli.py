@@ -1,0 +1,46 @@
+"""The ``kvtier`` command line."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# Subcommands live in their own modules and are imported only when used,
+# so `kvtier --help` stays fast and `kvtier info` never imports Triton.
+COMMANDS = {
+    "info": ("kvtier.commands.info", "info"),
+}
+BENCH_COMMANDS = {
+    "alloc": ("kvtier.bench.alloc", "alloc"),
+}
+
+
+class LazyGroup(click.Group):
+    def __init__(self, *args, lazy: dict[str, tuple[str, str]] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy = lazy or {}
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx, name):
+        if name in self.lazy:
+            module, attr = self.lazy[name]
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvtier")
+def main() -> None:
+    """kvtier: a tiered KV cache for LLM inference (GPU -> host -> storage)."""
+
+
+@main.group(cls=LazyGroup, lazy=BENCH_COMMANDS)
+def bench() -> None:
+    """Benchmarks that print a ratio against a baseline measured in the same run."""
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""``kvtier info``: what a model's KV costs in each tier, and what fits here."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+import torch
+
+from ..layouts import LAYOUTS, SUPPORTED
+from ..memory import GB, host_memory
+from ..spec import KVSpec
+from .shape import shape_options
+
+
+def layout_rows(spec: KVSpec, page_size: int) -> list[dict]:
+    """Per supported host layout: bytes per page and how many contiguous pieces hold it."""
+    rows = []
+    for name in SUPPORTED[spec.kind]:
+        lay = LAYOUTS[name]
+        pieces = 0
+        largest = 0
+        for c in spec.components:
+            pl = lay.placement(c, spec.layer_num, page_size * 2, page_size)
+            runs = pl.page_pieces(0)
+            pieces += len(runs)
+            largest = max(largest, max(n for _, n in runs))
+        rows.append({
+            "layout": name,
+            "bytes_per_token": spec.bytes_per_token,
+            "page_bytes": spec.bytes_per_token * page_size,
+            "pieces_per_page": pieces,
+            "largest_piece": largest,
+            "about": lay.doc,
+        })
+    return rows
+
+
+def roundtrip(spec: KVSpec, page_size: int, tokens: int, reserve: int | None) -> dict:
+    """Fill a CPU device pool, back it up to a host pool, load it into other slots, compare."""
+    from ..device_pool import pool_from_spec
+    from ..host_pool import host_pool_for
+    from ..transfer import TransferEngine
+
+    tokens = max(page_size, tokens // page_size * page_size)
+    dev = pool_from_spec(spec, 2 * tokens, page_size, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    for stack in dev.stacks.values():
+        raw = stack.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    results = {}
+    for layout in SUPPORTED[spec.kind]:
+        host = host_pool_for(dev, layout, host_size_tokens=2 * tokens, reserve_bytes=reserve)
+        engine = TransferEngine(host)
+        src = torch.arange(tokens)
+        dst = torch.arange(tokens, 2 * tokens)
+        before = {n: s[:, src].clone() for n, s in dev.stacks.items()}
+        h = host.alloc(tokens)
+        t0 = time.perf_counter()
+        engine.backup(h, src).synchronize()
+        t1 = time.perf_counter()
+        engine.load(h, dst).synchronize()
+        t2 = time.perf_counter()
+        same = all(
+            torch.equal(dev.stacks[n][:, dst].view(torch.uint8), before[n].view(torch.uint8)) for n in before
+        )
+        nbytes = tokens * spec.bytes_per_token
+        results[layout] = {
+            "identical": same,
+            "backup_gbps": nbytes / (t1 - t0) / GB,
+            "load_gbps": nbytes / (t2 - t1) / GB,
+        }
+        host.free(h)
+    return {"tokens": tokens, "bytes": tokens * spec.bytes_per_token, "layouts": results}
+
+
+@click.command()
+@shape_options
+@click.option("--page-size", type=click.IntRange(min=1), default=64, show_default=True, help="Tokens per page.")
+@click.option("--reserve-gb", type=click.FloatRange(min=0), default=None,
+              help="Host memory to leave free (default 10 GiB, or KVTIER_HOST_RESERVE_GB).")
+@click.option("--roundtrip/--no-roundtrip", default=False, show_default=True,
+              help="Also run a CPU round trip device -> host -> device and check every byte.")
+@click.option("--roundtrip-tokens", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the numbers as JSON.")
+def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_tokens: int, json_path) -> None:
+    """Bytes per token per tier and layout, and how many tokens the host tier holds here."""
+    reserve = None if reserve_gb is None else int(reserve_gb * GB)
+    mem = host_memory(reserve)
+    fits = mem.available // spec.bytes_per_token
+    click.echo(f"model      {spec.name}: {spec.describe()}")
+    for c in spec.components:
+        click.echo(f"  {c.name:<8} {c.item_bytes:>8,} B per token per layer")
+    click.echo(f"  total    {spec.bytes_per_token_per_layer:>8,} B per token per layer, "
+               f"{spec.bytes_per_token:,} B per token ({spec.bytes_per_token / 1024:.1f} KiB)")
+    click.echo(f"  page     {page_size} tokens = {spec.bytes_per_token * page_size / 2**20:.2f} MiB")
+    click.echo("")
+    click.echo("tier  layout        bytes/token  pieces/page  largest piece  note")
+    click.echo(f"L1    device        {spec.bytes_per_token:>11,}  {len(spec.components) * spec.layer_num:>11}  "
+               f"{page_size * max(c.item_bytes for c in spec.components):>13,}  per-layer GPU buffers")
+    rows = layout_rows(spec, page_size)
+    for r in rows:
+        click.echo(f"L2    {r['layout']:<12}  {r['bytes_per_token']:>11,}  {r['pieces_per_page']:>11}  "
+                   f"{r['largest_piece']:>13,}  {r['about']}")
+    click.echo("")
+    limit = "cgroup" if mem.cgroup_limit is not None else "host"
+    click.echo(f"host memory: {mem.total / GB:.1f} GB total, {mem.available / GB:.1f} GB usable "
+               f"after a {mem.reserve / GB:.1f} GB reserve ({limit} limit"
+               + (f", cgroup limit {mem.cgroup_limit / GB:.1f} GB" if mem.cgroup_limit else "") + ")")
+    click.echo(f"host tier capacity here: {fits:,} tokens ({fits // page_size:,} pages of {page_size})")
+    out = {
+        "model": spec.name, "kind": spec.kind, "describe": spec.describe(),
+        "bytes_per_token": spec.bytes_per_token,
+        "bytes_per_token_per_layer": {c.name: c.item_bytes for c in spec.components},
+        "page_size": page_size, "layouts": rows,
+        "host_available_bytes": mem.available, "host_capacity_tokens": fits,
+        "cgroup_limit_bytes": mem.cgroup_limit,
+    }
+    if roundtrip:
+        click.echo("")
+        rt = _roundtrip_or_exit(spec, page_size, roundtrip_tokens, reserve)
+        click.echo(f"CPU round trip: {rt['tokens']} tokens ({rt['bytes'] / 2**20:.1f} MiB) "
+                   "device -> host -> other device slots")
+        for layout, r in rt["layouts"].items():
+            verdict = "identical" if r["identical"] else "MISMATCH"
+            click.echo(f"  {layout:<12} {verdict:<10} backup {r['backup_gbps']:6.2f} GB/s   "
+                       f"load {r['load_gbps']:6.2f} GB/s")
+        out["roundtrip"] = rt
+        if not all(r["identical"] for r in rt["layouts"].values()):
+            raise click.ClickException("round trip changed bytes")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=2)
+        click.echo(f"wrote {json_path}")
+
+
+def _roundtrip_or_exit(spec, page_size, tokens, reserve):
+    try:
+        return roundtrip(spec, page_size, tokens, reserve)
+    except MemoryError as e:
+        raise click.ClickException(str(e)) from None

@@ -1,0 +1,176 @@
+"""Device (L1) KV pools with the constructors SGLang-style engines use.
+
+A pool holds, for every component of its :class:`~kvtier.spec.KVSpec`, one
+``(layer_num, size, *item)`` tensor; the per-layer buffers the seed reads
+(``k_buffer[i]``, ``kv_buffer[i]``, ``index_k_buffer[i]``) are views of it,
+and ``*_data_ptrs`` hold their addresses on the pool's device. Token slots
+``0 .. size-1`` are addressable in every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .memory import check_host_memory
+from .spec import DSA, MHA, MLA, KVSpec
+
+_LAYER_ATTR = {"k": "k_buffer", "v": "v_buffer", "kv": "kv_buffer", "index_k": "index_k_buffer"}
+
+
+def layer_attr(component: str) -> str:
+    """Name of the per-layer buffer list that holds ``component`` on a device pool."""
+    return _LAYER_ATTR[component]
+
+
+class KVPool:
+    """Common part of the device pools; build one through a subclass."""
+
+    def __init__(self, spec: KVSpec, size: int, page_size: int, device: str | torch.device):
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise ValueError(f"size must be a positive number of token slots, got {size!r}")
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+        if size < page_size:
+            raise ValueError(f"size={size} holds no whole page of page_size={page_size}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available; use device='cpu'")
+        self.spec = spec
+        self.size = size
+        self.page_size = page_size
+        self.dtype = spec.dtype
+        self.store_dtype = spec.store_dtype
+        self.layer_num = spec.layer_num
+        nbytes = spec.bytes_per_token * size
+        if self.device.type == "cpu":
+            check_host_memory(nbytes, 0, f"a {spec.kind.upper()} device pool on the CPU")
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if nbytes > free:
+                raise MemoryError(
+                    f"the device pool needs {nbytes / 1e9:.2f} GB but {self.device} has "
+                    f"{free / 1e9:.2f} GB free; lower size={size}"
+                )
+        self.stacks: dict[str, torch.Tensor] = {}
+        for comp in spec.components:
+            stack = torch.zeros((self.layer_num, size, *comp.item_shape), dtype=comp.dtype, device=self.device)
+            self.stacks[comp.name] = stack
+            layers = list(stack.unbind(0))
+            setattr(self, layer_attr(comp.name), layers)
+            setattr(self, _ptr_attr(comp.name), _ptr_table(layers, self.device))
+
+    @property
+    def mem_usage_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.stacks.values())
+
+    def layer_bytes(self, component: str, layer_id: int) -> torch.Tensor:
+        """Layer ``layer_id`` of ``component`` as a ``(size, item_bytes)`` uint8 view."""
+        return as_rows(getattr(self, layer_attr(component))[layer_id])
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A ``(slots, *item)`` buffer as ``(slots, item_bytes)`` bytes, without copying."""
+    return t.reshape(t.shape[0], -1).view(torch.uint8)
+
+
+def _ptr_attr(component: str) -> str:
+    return {"k": "k_data_ptrs", "v": "v_data_ptrs", "kv": "data_ptrs", "index_k": "index_k_data_ptrs"}[component]
+
+
+def _ptr_table(layers: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64, device=device)
+
+
+class MHATokenToKVPool(KVPool):
+    """Multi-head (or grouped-query) attention: K and V of ``head_num x head_dim``."""
+
+    def __init__(self, size, page_size, dtype, head_num, head_dim, layer_num, device="cpu"):
+        spec = KVSpec(MHA, layer_num, dtype, head_num=head_num, head_dim=head_dim)
+        super().__init__(spec, size, page_size, device)
+        self.head_num = head_num
+        self.head_dim = head_dim
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V of new tokens into slots ``loc`` of one layer."""
+        self.k_buffer[layer_id][loc] = k.to(self.store_dtype) if self.dtype == self.store_dtype else k.view(self.store_dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.store_dtype) if self.dtype == self.store_dtype else v.view(self.store_dtype)
+
+
+class MLATokenToKVPool(KVPool):
+    """Multi-head latent attention: one ``kv_lora_rank + qk_rope_head_dim`` row per token."""
+
+    def __init__(self, size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device="cpu"):
+        spec = self._spec(dtype, kv_lora_rank, qk_rope_head_dim, layer_num)
+        super().__init__(spec, size, page_size, device)
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.head_num = 1
+        self.head_dim = kv_lora_rank + qk_rope_head_dim
+
+    @staticmethod
+    def _spec(dtype, kv_lora_rank, qk_rope_head_dim, layer_num) -> KVSpec:
+        return KVSpec(MLA, layer_num, dtype, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.kv_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write latent rows ``(n, 1, kv_lora_rank + qk_rope_head_dim)`` into slots ``loc``."""
+        self.kv_buffer[layer_id][loc] = kv.to(self.store_dtype) if self.dtype == self.store_dtype else kv.view(self.store_dtype)
+
+
+class DSATokenToKVPool(MLATokenToKVPool):
+    """MLA latent rows plus the DSA indexer's FP8 index-K rows.
+
+    ``index_k_buffer[layer]`` is ``(size, index_k_row_bytes)`` uint8. Within a
+    page the bytes are block-split: all ``page_size * index_head_dim`` FP8
+    values of the page, then all its ``page_size * index_head_dim / 128``
+    FP32 scales. A page therefore only moves intact as a whole page, which is
+    why transfers of DSA pools check that indices are whole pages.
+    """
+
+    quant_method = "per_tensor"
+
+    def __init__(self, size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device="cpu", index_head_dim=128):
+        self._index_head_dim = index_head_dim
+        super().__init__(size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device)
+        self.index_head_dim = index_head_dim
+        self.index_k_row_bytes = self.spec.index_k_row_bytes
+
+    def _spec(self, dtype, kv_lora_rank, qk_rope_head_dim, layer_num) -> KVSpec:
+        return KVSpec(
+            DSA, layer_num, dtype, kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim, index_head_dim=self._index_head_dim,
+        )
+
+    def page_index_k(self, layer_id: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(FP8 values ``(page_size, index_head_dim)``, FP32 scales ``(page_size, groups)``) of one page."""
+        p, d = self.page_size, self.index_head_dim
+        raw = self.index_k_buffer[layer_id][page * p : (page + 1) * p].reshape(-1)
+        values = raw[: p * d].view(p, d)
+        scales = raw[p * d :].view(torch.float32).view(p, -1)
+        return values, scales
+
+
+POOL_CLASSES = {MHA: MHATokenToKVPool, MLA: MLATokenToKVPool, DSA: DSATokenToKVPool}
+
+
+def pool_from_spec(spec: KVSpec, size: int, page_size: int, device="cpu") -> KVPool:
+    """Build the device pool for ``spec`` (any kind) with ``size`` token slots."""
+    if spec.kind == MHA:
+        return MHATokenToKVPool(size, page_size, spec.dtype, spec.head_num, spec.head_dim, spec.layer_num, device)
+    if spec.kind == MLA:
+        return MLATokenToKVPool(size, page_size, spec.dtype, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.layer_num, device)
+    return DSATokenToKVPool(
+        size, page_size, spec.dtype, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.layer_num, device,
+        index_head_dim=spec.index_head_dim,
+    )

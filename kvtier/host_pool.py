@@ -1,0 +1,473 @@
+"""Host (L2) KV pools: the seed's ``*TokenToKVPoolHost`` classes, in every layout.
+
+One implementation serves every kind and layout: a pool is a list of
+components (K and V, or the latent row, plus DSA's index-K), each with a
+typed tensor in the seed's shape and a :class:`~kvtier.layouts.Placement`.
+Kind subclasses only name their components and the seed's attributes.
+
+Transfers (``backup_from_device_all_layer``, ``load_to_device_per_layer``)
+are queued on the current CUDA stream and return without waiting, as in
+the seed; on the CPU they complete before returning. Use
+:class:`kvtier.transfer.TransferEngine` for streams, events and layer-done
+signals.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from .allocator import AllocatorError, PageAllocator, tokens_to_pages
+from .device_pool import as_rows, layer_attr
+from .layouts import HostLayout, Placement, get_layout
+from .memory import GB, HostBuffer, check_host_memory, gpu_available
+from .spec import DSA, MHA, MLA, KVSpec
+from .transfer.base import TransferPart, get_backend
+from .transfer import direct as _direct  # noqa: F401  (registers the direct backend)
+
+logger = logging.getLogger("kvtier")
+
+
+def spec_of(device_pool, kind: str) -> KVSpec:
+    """The spec of a kvtier device pool, or one read off an SGLang-style pool's attributes."""
+    spec = getattr(device_pool, "spec", None)
+    if isinstance(spec, KVSpec):
+        if spec.kind != kind:
+            raise TypeError(
+                f"a {kind.upper()} host pool needs a {kind.upper()} device pool, got a {spec.kind.upper()} one"
+            )
+        return spec
+    dtype = getattr(device_pool, "dtype", None) or device_pool.store_dtype
+    if kind == MHA:
+        return KVSpec(MHA, device_pool.layer_num, dtype, head_num=device_pool.head_num, head_dim=device_pool.head_dim)
+    extra = {"index_head_dim": device_pool.index_head_dim} if kind == DSA else {}
+    return KVSpec(
+        kind, device_pool.layer_num, dtype, kv_lora_rank=device_pool.kv_lora_rank,
+        qk_rope_head_dim=device_pool.qk_rope_head_dim, **extra,
+    )
+
+
+class HostKVCache:
+    """A host pool mirroring a device pool's components in a chosen layout.
+
+    Size, in order of precedence: ``host_size_tokens`` tokens, else
+    ``host_size`` GB (1e9 bytes), else ``host_to_device_ratio`` x the device
+    pool; rounded up to whole pages. The memory is checked (host and cgroup
+    limits, minus ``reserve_bytes``, default 10 GiB or ``KVTIER_HOST_RESERVE_GB``)
+    before anything is allocated, and pinned for the GPU when CUDA is present.
+    """
+
+    KIND = ""
+    _seed_combined = False  # MHA keeps K and V in one (2, ...) kv_buffer
+
+    def __init__(self, device_pool, host_to_device_ratio: float, host_size: float, page_size: int,
+                 layout: str, device: str = "cpu", host_size_tokens: int = 0, *,
+                 reserve_bytes: int | None = None, pin_memory: bool | None = None,
+                 validate_indices: bool = True):
+        self.spec = spec_of(device_pool, self.KIND)
+        self.layout_obj: HostLayout = get_layout(layout, self.KIND)
+        _check_page_size(page_size, device_pool)
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"a host pool lives in host memory: device must be 'cpu', got {device!r}")
+        if pin_memory and not gpu_available():
+            raise ValueError("pin_memory=True needs CUDA; CPU-only torch cannot pin memory (leave it None)")
+        self.device_pool = device_pool
+        self.page_size = page_size
+        self.layout = layout
+        self.device = "cpu"
+        self.dtype = self.spec.store_dtype
+        self.layer_num = self.spec.layer_num
+        self.validate_indices = validate_indices
+        self.size_per_token = self.spec.bytes_per_token
+        self.page_num = _size_in_pages(
+            host_size_tokens, host_size, host_to_device_ratio, device_pool.size, page_size, self.size_per_token
+        )
+        self.size = self.page_num * page_size
+        if self.size < device_pool.size:
+            logger.warning(
+                "host pool (%d tokens) is smaller than the device pool (%d tokens): "
+                "the host tier cannot hold everything the GPU evicts", self.size, device_pool.size,
+            )
+        requested = self.size * self.size_per_token
+        mem = check_host_memory(requested, reserve_bytes, f"this {self.KIND.upper()} host pool")
+        logger.info(
+            "allocating %.2f GB of host KV (%d tokens, %s, %d B/token); %.2f GB available",
+            requested / GB, self.size, layout, self.size_per_token, mem.available / GB,
+        )
+        self._buffers = self._allocate(pin_memory)
+        self.allocator = PageAllocator(self.size, page_size)
+        self.lock = threading.RLock()
+
+    # -- construction ----------------------------------------------------
+
+    def _allocate(self, pin: bool | None) -> list[HostBuffer]:
+        comps = self.spec.components
+        shapes = [self.layout_obj.shape(c, self.layer_num, self.size, self.page_size) for c in comps]
+        if self._seed_combined:
+            buf = HostBuffer((2, *shapes[0]), comps[0].dtype, pin)
+            self.kv_buffer = buf.tensor
+            tensors = [buf.tensor[0], buf.tensor[1]]
+            buffers = [buf]
+        else:
+            buffers = [HostBuffer(s, c.dtype, pin) for s, c in zip(shapes, comps)]
+            tensors = [b.tensor for b in buffers]
+        self.component_tensors = dict(zip((c.name for c in comps), tensors))
+        self.placements: dict[str, Placement] = {
+            c.name: self.layout_obj.placement(c, self.layer_num, self.size, self.page_size) for c in comps
+        }
+        self.pinned = buffers[0].pinned
+        return buffers
+
+    def init_kv_buffer(self):
+        """The seed's hook; buffers are built in the constructor, so this returns them."""
+        return self.kv_buffer
+
+    def get_size_per_token(self) -> int:
+        return self.size_per_token
+
+    def close(self) -> None:
+        """Unpin the host memory now rather than at garbage collection."""
+        for b in self._buffers:
+            b.release()
+
+    # -- the parts every transfer and page operation works on ------------
+
+    def raw_bytes(self, component: str) -> torch.Tensor:
+        t = self.component_tensors[component]
+        return t.reshape(-1).view(torch.uint8)
+
+    def transfer_parts(self, device_pool=None) -> list[TransferPart]:
+        pool = self.device_pool if device_pool is None else device_pool
+        if pool is self.device_pool:
+            return self._parts
+        self._check_device_pool(pool)
+        return self._make_parts(pool)
+
+    @cached_property
+    def _parts(self) -> list[TransferPart]:
+        return self._make_parts(self.device_pool)
+
+    def _make_parts(self, pool) -> list[TransferPart]:
+        return [
+            TransferPart(
+                c.name, self.raw_bytes(c.name), self.placements[c.name],
+                tuple(as_rows(t) for t in getattr(pool, layer_attr(c.name))),
+            )
+            for c in self.spec.components
+        ]
+
+    def layer_ptrs(self, component: str) -> list[int]:
+        """Host address of layer ``i``'s first byte of ``component`` (placement base)."""
+        base = self.raw_bytes(component).data_ptr()
+        pl = self.placements[component]
+        return [base + layer * pl.layer_stride for layer in range(self.layer_num)]
+
+    def _ptr_table(self, component: str) -> torch.Tensor:
+        dev = getattr(self.device_pool, "device", torch.device("cpu"))
+        return torch.tensor(self.layer_ptrs(component), dtype=torch.uint64, device=dev)
+
+    # -- transfers -------------------------------------------------------
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend="direct",
+                                     block_quota: int | None = None) -> None:
+        """Copy ``device_indices`` of every layer into ``host_indices`` (device -> host)."""
+        parts = self.transfer_parts(device_pool)
+        backend = get_backend(io_backend, _pool_device(device_pool))
+        host_indices, device_indices = self._check_indices(host_indices, device_indices, device_pool)
+        backend.backup(parts, host_indices, device_indices, block_quota)
+
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id: int,
+                                 io_backend="direct") -> None:
+        """Copy ``host_indices`` of layer ``layer_id`` into ``device_indices`` (host -> device)."""
+        parts = self.transfer_parts(device_pool)
+        backend = get_backend(io_backend, _pool_device(device_pool))
+        if not isinstance(layer_id, (int, np.integer)) or not 0 <= layer_id < self.layer_num:
+            raise ValueError(f"layer_id must be in 0..{self.layer_num - 1}, got {layer_id!r}")
+        host_indices, device_indices = self._check_indices(host_indices, device_indices, device_pool)
+        backend.load(parts, host_indices, device_indices, int(layer_id))
+
+    def _check_indices(self, host_indices, device_indices, device_pool):
+        h = _as_index_tensor(host_indices, "host_indices")
+        d = _as_index_tensor(device_indices, "device_indices")
+        if h.numel() != d.numel():
+            raise ValueError(
+                f"host_indices has {h.numel()} slots but device_indices has {d.numel()}; they must pair up"
+            )
+        if not self.validate_indices or h.numel() == 0:
+            return h, d
+        hc, dc = h.to("cpu").numpy(), d.to("cpu").numpy()
+        _check_range(hc, self.size, "host_indices", "host pool")
+        _check_range(dc, device_pool.size, "device_indices", "device pool")
+        if self.KIND == DSA and self.page_size > 1:
+            try:
+                tokens_to_pages(hc, self.page_size, self.size)
+                tokens_to_pages(dc, self.page_size, device_pool.size)
+            except AllocatorError as e:
+                raise ValueError(
+                    f"DSA index-K pages are block-split and only move as whole pages: {e}"
+                ) from None
+        return h, d
+
+    def _check_device_pool(self, pool) -> None:
+        other = spec_of(pool, self.KIND)
+        if other != self.spec:
+            raise ValueError(
+                f"device pool shape {other.describe()} does not match this host pool's {self.spec.describe()}"
+            )
+
+    # -- pages (the L3 interface) ----------------------------------------
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.size_per_token
+
+    def _page_of(self, index) -> int:
+        if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
+            raise ValueError(f"index must be an integer token index, got {index!r}")
+        if index % self.page_size or not 0 <= index < self.size:
+            raise ValueError(
+                f"index {index} is not the first slot of a page: use a multiple of "
+                f"page_size={self.page_size} in 0..{self.size - self.page_size}"
+            )
+        return int(index) // self.page_size
+
+    def _page_pieces(self, page: int) -> list[tuple[torch.Tensor, int, int]]:
+        """(raw bytes, offset, nbytes) of every contiguous piece of a page, in flat order."""
+        return [
+            (raw, off, n)
+            for c in self.spec.components
+            for raw in (self.raw_bytes(c.name),)
+            for off, n in self.placements[c.name].page_pieces(page)
+        ]
+
+    @property
+    def _flat_dtype(self) -> torch.dtype:
+        dtypes = {c.dtype for c in self.spec.components}
+        return dtypes.pop() if len(dtypes) == 1 else torch.uint8
+
+    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
+        """The page starting at token ``index``.
+
+        ``flat=True``: a 1-D tensor of the page's bytes in this layout's order,
+        every component (DSA included: uint8, latent bytes then index-K bytes).
+        ``flat=False``: a view into the pool (for DSA, the latent part only).
+        """
+        page = self._page_of(index)
+        if not flat:
+            return self._page_view(page)
+        pieces = [raw[off : off + n] for raw, off, n in self._page_pieces(page)]
+        return torch.cat(pieces).view(self._flat_dtype)
+
+    def _page_view(self, page: int) -> torch.Tensor:
+        lay = self.layout_obj
+        if self._seed_combined:
+            return lay.page_view(self.kv_buffer, page, self.page_size, lead=1)
+        return lay.page_view(self.component_tensors[self.spec.components[0].name], page, self.page_size, lead=0)
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        """A zero page of the flat page's size and dtype (pinned when the pool is)."""
+        n = self.page_bytes // self._flat_dtype.itemsize
+        return torch.zeros(n, dtype=self._flat_dtype, pin_memory=self.pinned)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        """Write a flat page (as :meth:`get_data_page` returns it) at token ``index``."""
+        page = self._page_of(index)
+        if not isinstance(data_page, torch.Tensor):
+            raise TypeError(f"data_page must be a torch.Tensor, got {type(data_page).__name__}")
+        src = data_page.detach().reshape(-1).to("cpu")
+        nbytes = src.numel() * src.element_size()
+        if nbytes != self.page_bytes:
+            raise ValueError(
+                f"data_page holds {nbytes} bytes but a page of this pool is {self.page_bytes} "
+                f"({self.page_size} tokens x {self.size_per_token} B)"
+            )
+        src = src.contiguous().view(torch.uint8)
+        pos = 0
+        for raw, off, n in self._page_pieces(page):
+            raw[off : off + n].copy_(src[pos : pos + n])
+            pos += n
+
+    def get_page_buffer_meta(self, indices) -> tuple[list[int], list[int]]:
+        """Host pointers and byte sizes covering exactly the pages in ``indices``.
+
+        For each page (in order), every contiguous piece of it, in the same
+        order as the flat page's bytes: reading the pieces back to back gives
+        :meth:`get_data_page`. Zero-copy L3 backends read and write these.
+        """
+        tokens = _as_index_tensor(indices, "indices").to("cpu").numpy()
+        try:
+            pages = tokens_to_pages(tokens, self.page_size, self.size) if tokens.size else tokens
+        except AllocatorError as e:
+            raise ValueError(f"indices must be whole pages of this pool: {e}") from None
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        for page in pages.tolist():
+            for raw, off, n in self._page_pieces(page):
+                ptrs.append(raw.data_ptr() + off)
+                sizes.append(n)
+        return ptrs, sizes
+
+    # -- slot allocation -------------------------------------------------
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """Token indices of ``need_size / page_size`` free pages, or None if full."""
+        return self.allocator.alloc(need_size)
+
+    def free(self, indices) -> int:
+        return self.allocator.free(indices)
+
+    def available_size(self) -> int:
+        return self.allocator.available_size()
+
+    def clear(self) -> None:
+        """Mark every slot free (the bytes are left as they are)."""
+        self.allocator.clear()
+
+
+class MHATokenToKVPoolHost(HostKVCache):
+    """Host mirror of an MHA pool: ``kv_buffer`` is ``(2, ...)``, K then V."""
+
+    KIND = MHA
+    _seed_combined = True
+
+    def __init__(self, device_pool, host_to_device_ratio, host_size, page_size, layout,
+                 device="cpu", host_size_tokens=0, **kwargs):
+        super().__init__(device_pool, host_to_device_ratio, host_size, page_size, layout, device,
+                         host_size_tokens, **kwargs)
+        self.head_num = self.spec.head_num
+        self.head_dim = self.spec.head_dim
+        self.element_dim = self.head_num * self.head_dim
+        self.token_stride_size = self.element_dim * self.dtype.itemsize
+        self.layout_dim = self.token_stride_size * self.layer_num
+        self.k_data_refs = [self.k_buffer[i] for i in range(self.layer_num)] if layout == "layer_first" else []
+        self.v_data_refs = [self.v_buffer[i] for i in range(self.layer_num)] if layout == "layer_first" else []
+        self.k_data_ptrs = self._ptr_table("k")
+        self.v_data_ptrs = self._ptr_table("v")
+
+    @property
+    def k_buffer(self) -> torch.Tensor:
+        return self.kv_buffer[0]
+
+    @property
+    def v_buffer(self) -> torch.Tensor:
+        return self.kv_buffer[1]
+
+    def get_ksize_per_token(self) -> int:
+        return self.size_per_token // 2
+
+
+class MLATokenToKVPoolHost(HostKVCache):
+    """Host mirror of an MLA pool: one latent row per token and layer."""
+
+    KIND = MLA
+
+    def __init__(self, device_pool, host_to_device_ratio, host_size, page_size, layout,
+                 device="cpu", host_size_tokens=0, **kwargs):
+        super().__init__(device_pool, host_to_device_ratio, host_size, page_size, layout, device,
+                         host_size_tokens, **kwargs)
+        self.kv_buffer = self.component_tensors["kv"]
+        self.kv_lora_rank = self.spec.kv_lora_rank
+        self.qk_rope_head_dim = self.spec.qk_rope_head_dim
+        self.token_stride_size = self.spec.latent_dim * self.dtype.itemsize
+        self.layout_dim = self.token_stride_size * self.layer_num
+        self.data_refs = [self.kv_buffer[i] for i in range(self.layer_num)] if layout == "layer_first" else []
+        self.data_ptrs = self._ptr_table("kv")
+
+    def get_ksize_per_token(self) -> int:
+        return self.spec.latent_dim * self.dtype.itemsize * self.layer_num
+
+
+class DSATokenToKVPoolHost(MLATokenToKVPoolHost):
+    """Host mirror of a DSA pool: MLA latent rows plus the FP8 index-K rows.
+
+    Index-K pages keep the device's block-split byte order, so they survive a
+    raw page copy; transfers therefore insist on whole pages, and flat pages
+    and page pointers include the index-K bytes.
+    """
+
+    KIND = DSA
+
+    def __init__(self, device_pool, host_to_device_ratio, host_size, page_size, layout,
+                 device="cpu", host_size_tokens=0, **kwargs):
+        if getattr(device_pool, "quant_method", None) == "per_token_head":
+            raise NotImplementedError("DSA host pools do not support the per_token_head latent layout")
+        super().__init__(device_pool, host_to_device_ratio, host_size, page_size, layout, device,
+                         host_size_tokens, **kwargs)
+        self.index_k_row_bytes = self.spec.index_k_row_bytes
+        self.index_k_buffer = self.component_tensors["index_k"]
+        self.index_k_refs = [self.index_k_buffer[i] for i in range(self.layer_num)]
+        self.index_k_data_ptrs = self._ptr_table("index_k")
+
+
+HOST_POOL_CLASSES = {MHA: MHATokenToKVPoolHost, MLA: MLATokenToKVPoolHost, DSA: DSATokenToKVPoolHost}
+
+
+def host_pool_for(device_pool, layout: str = "layer_first", *, host_size_tokens: int = 0,
+                  host_size: float = 0, host_to_device_ratio: float = 2.0, **kwargs) -> HostKVCache:
+    """The host pool class matching ``device_pool``'s kind, built with keyword arguments."""
+    cls = HOST_POOL_CLASSES[device_pool.spec.kind]
+    return cls(device_pool, host_to_device_ratio, host_size, device_pool.page_size, layout,
+               host_size_tokens=host_size_tokens, **kwargs)
+
+
+# -- validation helpers --------------------------------------------------------
+
+def _pool_device(pool) -> torch.device:
+    return torch.device(getattr(pool, "device", "cpu"))
+
+
+def _check_page_size(page_size, device_pool) -> None:
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+    dev_ps = getattr(device_pool, "page_size", page_size)
+    if dev_ps != page_size:
+        raise ValueError(
+            f"page_size={page_size} differs from the device pool's page_size={dev_ps}; "
+            "host and device pools must use the same page size"
+        )
+
+
+def _size_in_pages(tokens, gb, ratio, device_size, page_size, per_token) -> int:
+    for name, v in (("host_size_tokens", tokens), ("host_size", gb), ("host_to_device_ratio", ratio)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or v != v:
+            raise ValueError(f"{name} must be a non-negative number, got {v!r}")
+    if tokens > 0:
+        if int(tokens) != tokens:
+            raise ValueError(f"host_size_tokens must be a whole number, got {tokens!r}")
+        size = int(tokens)
+    elif gb > 0:
+        size = int(gb * GB // per_token)
+    elif ratio > 0:
+        size = int(device_size * ratio)
+    else:
+        raise ValueError(
+            "the host pool has no size: set host_size_tokens (tokens), host_size (GB) "
+            "or host_to_device_ratio (x the device pool) to a positive value"
+        )
+    pages = -(-size // page_size)
+    if pages < 1:
+        raise ValueError(
+            f"the host pool would hold no page (size {size} tokens, page_size {page_size}); make it larger"
+        )
+    return pages
+
+
+def _as_index_tensor(values, name: str) -> torch.Tensor:
+    t = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {tuple(t.shape)}")
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
+        raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    return t if t.dtype == torch.int64 else t.to(torch.int64)
+
+
+def _check_range(idx: np.ndarray, size: int, name: str, what: str) -> None:
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= size:
+        raise ValueError(f"{name} holds {lo if lo < 0 else hi}, outside the {what}'s slots 0..{size - 1}")
+    if np.unique(idx).size != idx.size:
+        raise ValueError(f"{name} names a slot twice; each slot may appear once per transfer")
