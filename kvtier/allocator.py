@@ -130,11 +130,8 @@ class PageAllocator:
 
     # -- pages -----------------------------------------------------------
 
-    def alloc_pages(self, num_pages: int) -> np.ndarray | None:
-        """Page ids (int64, ascending within each run), or None if too few are free."""
-        if not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
-            raise AllocatorError(f"num_pages must be a non-negative integer, got {num_pages!r}")
-        num_pages = int(num_pages)
+    def _take(self, num_pages: int) -> list[tuple[int, int]] | None:
+        """Runs ``(first_page, length)`` totalling ``num_pages``, or None if too few are free."""
         with self._lock:
             if num_pages > self._free_pages:
                 return None
@@ -142,12 +139,18 @@ class PageAllocator:
             for start, length in runs:
                 self._allocated[start : start + length] = True
             self._free_pages -= num_pages
-        if len(runs) == 1:
-            start, length = runs[0]
-            return np.arange(start, start + length, dtype=np.int64)
-        return np.concatenate(
-            [np.arange(s, s + n, dtype=np.int64) for s, n in runs]
-        ) if runs else np.empty(0, dtype=np.int64)
+        return runs
+
+    def alloc_pages(self, num_pages: int) -> np.ndarray | None:
+        """Page ids (int64, ascending within each run), or None if too few are free."""
+        if not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
+            raise AllocatorError(f"num_pages must be a non-negative integer, got {num_pages!r}")
+        runs = self._take(int(num_pages))
+        if runs is None:
+            return None
+        if not runs:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in runs])
 
     def free_pages(self, pages: Sequence[int] | np.ndarray | torch.Tensor) -> int:
         """Give back page ids; returns how many pages were freed."""
@@ -170,13 +173,25 @@ class PageAllocator:
                 f"need_size={need_size} is not a multiple of page_size={self.page_size}; "
                 f"round it up to {-(-need_size // self.page_size) * self.page_size}"
             )
-        pages = self.alloc_pages(int(need_size) // self.page_size)
-        if pages is None:
+        runs = self._take(int(need_size) // self.page_size)
+        if runs is None:
             return None
-        return torch.from_numpy(pages_to_tokens(pages, self.page_size))
+        ps = self.page_size
+        if len(runs) == 1:
+            start, length = runs[0]
+            return torch.arange(start * ps, (start + length) * ps, dtype=torch.int64)
+        return torch.cat([torch.arange(s * ps, (s + k) * ps, dtype=torch.int64) for s, k in runs]) \
+            if runs else torch.empty(0, dtype=torch.int64)
 
     def free(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> int:
         """Give back token indices from :meth:`alloc`; returns how many tokens were freed."""
+        n = len(indices) if hasattr(indices, "__len__") else None
+        if n is not None and 0 < n <= _SMALL_PAGES * self.page_size and _is_flat(indices):
+            pages = _small_tokens_to_pages(indices, self.page_size, self.size)
+            with self._lock:
+                self._check_owned_small(pages)
+                self._release_small(pages)
+            return n
         tokens = _as_int_array(indices, "indices")
         if tokens.size == 0:
             return 0
@@ -185,6 +200,28 @@ class PageAllocator:
             self._check_owned(pages, what="page")
             self._release(pages)
         return int(tokens.size)
+
+    def _check_owned_small(self, pages: list[int]) -> None:
+        if len(set(pages)) != len(pages):
+            dup = next(p for p in pages if pages.count(p) > 1)
+            raise AllocatorError(f"page {dup} appears twice in one free call")
+        for p in pages:
+            if not self._allocated[p]:
+                raise AllocatorError(
+                    f"page {p} is not allocated (double free, or an index from another pool)"
+                )
+
+    def _release_small(self, pages: list[int]) -> None:
+        for p in pages:
+            self._allocated[p] = False
+        self._free_pages += len(pages)
+        start = prev = pages[0]
+        for p in pages[1:]:
+            if p != prev + 1:
+                self._runs.release(start, prev - start + 1)
+                start = p
+            prev = p
+        self._runs.release(start, prev - start + 1)
 
     # -- internals -------------------------------------------------------
 
@@ -215,6 +252,45 @@ class PageAllocator:
         ends = np.concatenate((breaks, [pages.size]))
         for s, e in zip(starts.tolist(), ends.tolist()):
             self._runs.release(int(pages[s]), e - s)
+
+
+# Frees of up to this many pages take a pure-Python path: cheaper than numpy's per-call overhead.
+_SMALL_PAGES = 8
+
+
+def _is_flat(values) -> bool:
+    if isinstance(values, torch.Tensor):
+        return values.dim() == 1 and not (values.dtype.is_floating_point or values.dtype == torch.bool)
+    if isinstance(values, np.ndarray):
+        return values.ndim == 1 and np.issubdtype(values.dtype, np.integer)
+    return isinstance(values, (list, tuple)) and all(
+        isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values
+    )
+
+
+def _small_tokens_to_pages(values, page_size: int, size: int) -> list[int]:
+    """The small-input twin of :func:`tokens_to_pages`, on Python ints."""
+    tokens = values.tolist() if hasattr(values, "tolist") else [int(v) for v in values]
+    if len(tokens) % page_size:
+        raise AllocatorError(
+            f"{len(tokens)} indices is not a whole number of pages of {page_size} tokens"
+        )
+    lo, hi = min(tokens), max(tokens)
+    if lo < 0 or hi >= size:
+        bad = lo if lo < 0 else hi
+        raise AllocatorError(f"index {bad} is out of range: valid slots are 0..{size - 1}")
+    if page_size == 1:
+        return tokens
+    pages = []
+    for i in range(0, len(tokens), page_size):
+        first = tokens[i]
+        if first % page_size or tokens[i : i + page_size] != list(range(first, first + page_size)):
+            raise AllocatorError(
+                f"indices {tokens[i:i + 4]}... at position {i} are not one whole page "
+                f"(expected p*{page_size} .. p*{page_size}+{page_size - 1})"
+            )
+        pages.append(first // page_size)
+    return pages
 
 
 def _as_int_array(values, name: str) -> np.ndarray:
