@@ -1,0 +1,55 @@
+"""Builders shared by the foundation tests: pools of every kind, random bytes, byte views."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier import DSATokenToKVPool, MHATokenToKVPool, MLATokenToKVPool
+from kvtier.host_pool import HOST_POOL_CLASSES
+
+
+def make_device_pool(kind, size, page_size, dtype, layers, device="cpu", heads=3, head_dim=40,
+                     lora=96, rope=16, index_head_dim=128):
+    if kind == "mha":
+        return MHATokenToKVPool(size, page_size, dtype, heads, head_dim, layers, device)
+    if kind == "mla":
+        return MLATokenToKVPool(size, page_size, dtype, lora, rope, layers, device)
+    return DSATokenToKVPool(size, page_size, dtype, lora, rope, layers, device, index_head_dim=index_head_dim)
+
+
+def make_host_pool(device_pool, layout, tokens, **kw):
+    cls = HOST_POOL_CLASSES[device_pool.spec.kind]
+    return cls(device_pool, 0, 0, device_pool.page_size, layout, host_size_tokens=tokens, **kw)
+
+
+def fill_random(pool, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for stack in pool.stacks.values():
+        raw = stack.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen).to(raw.device))
+
+
+def fill_host_random(host, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for c in host.spec.components:
+        raw = host.raw_bytes(c.name)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).cpu()
+
+
+def device_bytes(pool, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every component's bytes at ``slots`` (all layers), on the CPU."""
+    idx = slots.to(pool.device)
+    return {name: as_bytes(stack[:, idx]).reshape(stack.shape[0], len(slots), -1) for name, stack in pool.stacks.items()}
+
+
+def host_snapshot(host) -> dict[str, torch.Tensor]:
+    return {c.name: host.raw_bytes(c.name).clone() for c in host.spec.components}
+
+
+def pages_to_slots(pages, page_size: int) -> torch.Tensor:
+    p = torch.as_tensor(list(pages), dtype=torch.int64)
+    return (p[:, None] * page_size + torch.arange(page_size)).reshape(-1)
