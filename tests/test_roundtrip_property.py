@@ -45,7 +45,7 @@ def scenarios(draw):
         kind=kind, layout=layout, page_size=page_size, dtype=draw(st.sampled_from(DTYPES)),
         layers=draw(st.integers(1, 3)), shape=shape, dev_pages=dev_pages, host_pages=host_pages,
         src=list(src), dst=list(dst), host_pick=host_pick, token_level=token_level,
-        seed=draw(st.integers(0, 2**31 - 1)),
+        seed=draw(st.integers(0, 2**31 - 1)), indices_on_device=draw(st.booleans()),
     )
 
 
@@ -105,16 +105,19 @@ def build(sc, device):
 def test_backup_then_per_layer_load_is_byte_identical(device, sc):
     dev, host = build(sc, device)
     src, dst, h = transfer_slots(sc, host)
+    if device == "cuda":
+        assert host.pinned and host.raw_bytes(host.spec.components[0].name).is_pinned()
     expected = device_bytes(dev, src)
+    if sc["indices_on_device"]:  # index tensors may live on either device
+        src, dst, h = src.to(device), dst.to(device), h.to(device)
     host.backup_from_device_all_layer(dev, h, src, "direct")
     synchronize(dev)
-    got_host = host_bytes(host, h)
+    got_host = host_bytes(host, h.cpu())
     for name in expected:
         assert torch.equal(got_host[name], expected[name]), f"backup of {name}"
 
     host_before = {c.name: host.raw_bytes(c.name).clone() for c in host.spec.components}
-    everything = torch.arange(dev.size)
-    untouched = torch.tensor(sorted(set(everything.tolist()) - set(dst.tolist())), dtype=torch.int64)
+    untouched = torch.tensor(sorted(set(range(dev.size)) - set(dst.tolist())), dtype=torch.int64)
     dev_before = device_bytes(dev, untouched)
     for layer in range(dev.layer_num):
         host.load_to_device_per_layer(dev, h, dst, layer, "direct")
