@@ -91,6 +91,15 @@ def synchronize(pool):
         torch.cuda.synchronize()
 
 
+def backed_up_pages(sc):
+    """Pools with ``src`` pages backed up to freshly allocated host pages ``h``."""
+    dev, host = build(sc, "cpu")
+    src = pages_to_slots(sc["src"], sc["page_size"])
+    h = host.alloc(len(src))
+    host.backup_from_device_all_layer(dev, h, src, "direct")
+    return dev, host, h
+
+
 def build(sc, device):
     dev = make_device_pool(sc["kind"], sc["dev_pages"] * sc["page_size"], sc["page_size"], sc["dtype"],
                            sc["layers"], device, **sc["shape"])
@@ -148,11 +157,8 @@ def test_backup_changes_nothing_outside_its_host_slots(sc):
 @settings(max_examples=80)
 @given(sc=scenarios())
 def test_flat_page_round_trips_between_two_host_pools(sc):
-    dev, host = build(sc, "cpu")
+    dev, host, h = backed_up_pages(sc)
     ps = sc["page_size"]
-    src = pages_to_slots(sc["src"], ps)
-    h = host.alloc(len(src))
-    host.backup_from_device_all_layer(dev, h, src, "direct")
     other = make_host_pool(dev, sc["layout"], sc["host_pages"] * ps)
     other_slots = other.alloc(len(h)).flip(0).reshape(-1, ps).flip(1).reshape(-1)  # other pages, reversed
     for i in range(0, len(h), ps):
@@ -180,11 +186,8 @@ def _merge(intervals):
 @settings(max_examples=80)
 @given(sc=scenarios())
 def test_page_buffer_meta_covers_exactly_the_pages_bytes(sc):
-    dev, host = build(sc, "cpu")
+    _, host, h = backed_up_pages(sc)
     ps = sc["page_size"]
-    src = pages_to_slots(sc["src"], ps)
-    h = host.alloc(len(src))
-    host.backup_from_device_all_layer(dev, h, src, "direct")
     ptrs, sizes = host.get_page_buffer_meta(h)
     assert sum(sizes) == len(h) // ps * host.page_bytes
     # Bytes read through the pointers are the flat pages, back to back.
