@@ -10,6 +10,7 @@ import click
 # so `kvtier --help` stays fast and `kvtier info` never imports Triton.
 COMMANDS = {
     "info": ("kvtier.commands.info", "info"),
+    "demo": ("kvtier.demo", "demo"),
 }
 BENCH_COMMANDS = {
     "alloc": ("kvtier.bench.alloc", "alloc"),

@@ -1,0 +1,136 @@
+"""Paged attention over a kvtier device pool.
+
+Each sequence in a forward pass owns a *page table*: the device slot of
+every token of its context, page-expanded (``slots[j]`` holds token ``j``).
+A layer writes the K/V of the step's new tokens into their slots, waits for
+that layer's host load to land (and only that layer's), then gathers each
+sequence's keys and values through its slots and attends causally: query
+``i`` of a sequence sees keys ``0 .. q_start + i``.
+
+Two implementations compute the attention itself: :func:`reference_attention`
+(explicit scores and softmax, portable, batch-invariant when given a float64
+``acc``) and :func:`sdpa_attention` (torch's fused kernels; what the engine
+uses on CUDA). Tests check that they agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's share of a forward pass.
+
+    ``q_start`` tokens of the sequence already have KV in the pool; this step
+    adds ``n_new`` more, at rows ``offset .. offset + n_new`` of the batch.
+    ``slots`` (on the pool's device) maps all ``q_start + n_new`` tokens to
+    pool slots. ``layer_load`` is a :class:`kvtier.transfer.LayerLoad` (or
+    ``None``) that some of those slots are being loaded by.
+    """
+
+    offset: int
+    q_start: int
+    n_new: int
+    slots: torch.Tensor
+    layer_load: object | None = None
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.offset, self.offset + self.n_new)
+
+
+@dataclass
+class AttentionBatch:
+    """What every attention layer of one forward pass needs."""
+
+    seqs: list[SeqSlice]
+    new_slots: torch.Tensor  # (new tokens,) where this step's K/V go, on the pool's device
+
+    def wait_layer(self, layer: int) -> None:
+        """Order this layer's reads after the host loads of this layer (only)."""
+        for s in self.seqs:
+            if s.layer_load is not None:
+                s.layer_load.wait_layer(layer)
+
+    def __iter__(self) -> Iterator[SeqSlice]:
+        return iter(self.seqs)
+
+
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+
+def causal_mask(n_q: int, q_start: int, device) -> torch.Tensor:
+    """``(n_q, q_start + n_q)`` bool: query ``i`` may see key ``j`` iff ``j <= q_start + i``."""
+    keys = torch.arange(q_start + n_q, device=device)
+    queries = torch.arange(q_start, q_start + n_q, device=device)
+    return keys[None, :] <= queries[:, None]
+
+
+def _expand_heads(k: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Repeat each KV head for the query heads of its group (grouped-query attention)."""
+    return k if k.shape[1] == n_heads else k.repeat_interleave(n_heads // k.shape[1], dim=1)
+
+
+def reference_attention(acc: torch.dtype | None = None) -> AttendFn:
+    """Explicit causal attention; ``q`` is ``(n, heads, d)``, ``k``/``v`` ``(ctx, kv_heads, d)``.
+
+    The query heads of a group are stacked so that each KV head is read once
+    (no copy of K/V per query head). Scores, softmax and the weighted sum are
+    computed in ``acc`` (default float32) and rounded to ``q``'s dtype.
+    """
+
+    def attend(q, k, v, q_start, scale):
+        dt = acc or torch.float32
+        n, n_heads, d = q.shape
+        kv_heads = k.shape[1]
+        group = n_heads // kv_heads
+        # (n, kv_heads * group, d) -> (kv_heads, group * n, d): rows of one KV head together.
+        qg = q.to(dt).view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * n, d)
+        scores = torch.matmul(qg, k.to(dt).permute(1, 2, 0)) * scale
+        mask = causal_mask(n, q_start, q.device).repeat(group, 1)
+        scores.masked_fill_(~mask, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), v.to(dt).transpose(0, 1))
+        dv = out.shape[-1]
+        return out.view(kv_heads, group, n, dv).permute(2, 0, 1, 3).reshape(n, n_heads, dv).to(q.dtype)
+
+    return attend
+
+
+# torch >= 2.5 groups query heads inside the kernel; older ones need the KV heads repeated.
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+def sdpa_attention() -> AttendFn:
+    """Causal attention through ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels)."""
+
+    def attend(q, k, v, q_start, scale):
+        n_heads = q.shape[1]
+        if _SDPA_GQA:
+            kk, vv, extra = k, v, {"enable_gqa": k.shape[1] != n_heads}
+        else:
+            kk, vv, extra = _expand_heads(k, n_heads), _expand_heads(v, n_heads), {}
+        qt, kt, vt = q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1)
+        if q_start == 0:
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, **extra)
+        else:
+            mask = causal_mask(q.shape[0], q_start, q.device)
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, **extra)
+        return out.transpose(0, 1)
+
+    return attend
+
+
+ATTENTION_IMPLS = {"reference": reference_attention, "sdpa": lambda acc=None: sdpa_attention()}
+
+
+def attention_impl(name: str, acc: torch.dtype | None) -> AttendFn:
+    """The attention function called ``name`` (``reference`` or ``sdpa``)."""
+    try:
+        return ATTENTION_IMPLS[name](acc)
+    except KeyError:
+        raise ValueError(f"unknown attention implementation {name!r}; use one of {sorted(ATTENTION_IMPLS)}") from None

@@ -1,0 +1,129 @@
+"""Models from a local Hugging Face-format directory, or random from a seed.
+
+A checkpoint directory holds ``config.json`` and one or more
+``*.safetensors`` files whose tensor names are Hugging Face's. Nothing is
+ever downloaded: a path that is not such a directory is an error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import DEEPSEEK, LLAMA, ModelConfig
+from .models import CausalLM, build_model
+
+HF_TYPES = {"llama": LLAMA, "mistral": LLAMA, "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK}
+
+
+def config_from_hf(hf: dict, dtype: torch.dtype | str | None = None) -> ModelConfig:
+    """A :class:`ModelConfig` from the fields of a Hugging Face ``config.json``."""
+    mtype = hf.get("model_type")
+    if mtype not in HF_TYPES:
+        raise ValueError(f"model_type {mtype!r} is not supported; the reference engine runs {sorted(HF_TYPES)}")
+    if hf.get("n_routed_experts"):
+        raise ValueError("mixture-of-experts layers (n_routed_experts) are not implemented; "
+                         "the reference engine runs dense SwiGLU MLPs only")
+    if hf.get("rope_scaling"):
+        raise ValueError(f"rope_scaling={hf['rope_scaling']!r} is not implemented; only plain RoPE is")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("attention_bias / mlp_bias are not implemented (the models have no biases)")
+    kind = HF_TYPES[mtype]
+    heads = hf["num_attention_heads"]
+    common = dict(
+        kind=kind, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"], n_heads=heads, intermediate_size=hf["intermediate_size"],
+        rope_theta=float(hf.get("rope_theta", 10000.0)), rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=dtype or hf.get("torch_dtype") or "float32",
+    )
+    if kind == LLAMA:
+        return ModelConfig(
+            **common, n_kv_heads=hf.get("num_key_value_heads", heads),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        )
+    return ModelConfig(
+        **common, kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank") or 0,
+        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+    )
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """The ``config.json`` fields that :func:`config_from_hf` reads back to ``cfg``."""
+    hf = {
+        "model_type": "llama" if cfg.kind == LLAMA else "deepseek_v2",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "intermediate_size": cfg.intermediate_size, "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": str(cfg.dtype).removeprefix("torch."),
+    }
+    if cfg.kind == LLAMA:
+        hf.update(num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim)
+    else:
+        hf.update(kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
+                  qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                  v_head_dim=cfg.v_head_dim)
+    return hf
+
+
+def random_model(cfg: ModelConfig, seed: int = 0, device="cpu", **build) -> CausalLM:
+    """A model of ``cfg`` with weights drawn from ``seed`` (the same seed gives the same weights)."""
+    return build_model(cfg, device, **build).init_random(seed)
+
+
+def load_checkpoint(path: str | Path, device="cpu", dtype=None, **build) -> CausalLM:
+    """The model in a local Hugging Face-format directory (``config.json`` + ``*.safetensors``).
+
+    Raises ``FileNotFoundError`` for a missing directory or files and
+    ``ValueError`` when the tensors do not match the config (naming the
+    first missing, unexpected or misshapen tensors).
+    """
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} not found: a checkpoint is a local directory with "
+                                "config.json and *.safetensors (nothing is downloaded)")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    cfg = config_from_hf(json.loads(cfg_file.read_text()), dtype)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    model = build_model(cfg, device, **build)
+    _check_state(model, state)
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def _check_state(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+        state.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = [f"{k} {tuple(state[k].shape)} != {tuple(s)}" for k, s in expected.items()
+             if k in state and state[k].shape != s]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            "checkpoint does not match its config.json: "
+            f"missing {missing[:4]}, unexpected {unexpected[:4]}, wrong shapes {wrong[:4]}"
+        )
+
+
+def save_checkpoint(model: CausalLM, path: str | Path) -> Path:
+    """Write ``model`` as ``config.json`` + ``model.safetensors`` into directory ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2))
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(path / "model.safetensors"))
+    return path

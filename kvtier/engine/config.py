@@ -1,0 +1,145 @@
+"""Typed, frozen configuration of the reference engine: the model and the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from ..spec import MHA, MLA, KVSpec, parse_dtype
+
+LLAMA, DEEPSEEK = "llama", "deepseek"
+MODEL_KINDS = (LLAMA, DEEPSEEK)
+PREFIX_MODES = ("none", "gpu", "tiers")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a decoder-only model.
+
+    ``llama``: grouped-query attention with ``n_heads`` query heads and
+    ``n_kv_heads`` KV heads of ``head_dim``. ``deepseek``: multi-head latent
+    attention; the KV cache holds one ``kv_lora_rank + qk_rope_head_dim`` row
+    per token, and each head has ``qk_nope_head_dim + qk_rope_head_dim`` query
+    and key dimensions and ``v_head_dim`` value dimensions. Both use RMSNorm,
+    RoPE and a SwiGLU MLP.
+    """
+
+    kind: str = LLAMA
+    vocab_size: int = 512
+    hidden_size: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    kv_lora_rank: int = 64
+    q_lora_rank: int = 0  # 0: queries are projected directly from the hidden state
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    tie_embeddings: bool = False
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.kind not in MODEL_KINDS:
+            raise ValueError(f"unknown model kind {self.kind!r}; use one of {MODEL_KINDS}")
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        for f in ("vocab_size", "hidden_size", "n_layers", "n_heads", "intermediate_size"):
+            _positive(f, getattr(self, f))
+        if self.kind == LLAMA:
+            _positive("n_kv_heads", self.n_kv_heads)
+            _positive("head_dim", self.head_dim)
+            if self.n_heads % self.n_kv_heads:
+                raise ValueError(
+                    f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
+                    "(each KV head serves a whole group of query heads)"
+                )
+            if self.head_dim % 2:
+                raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        else:
+            for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                _positive(f, getattr(self, f))
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+            if self.q_lora_rank < 0:
+                raise ValueError(f"q_lora_rank must be >= 0, got {self.q_lora_rank}")
+
+    def kv_spec(self) -> KVSpec:
+        """The KV shape this model writes into a kvtier pool."""
+        if self.kind == LLAMA:
+            return KVSpec(MHA, self.n_layers, self.dtype, head_num=self.n_kv_heads, head_dim=self.head_dim)
+        return KVSpec(MLA, self.n_layers, self.dtype, kv_lora_rank=self.kv_lora_rank,
+                      qk_rope_head_dim=self.qk_rope_head_dim)
+
+    def with_(self, **changes) -> "ModelConfig":
+        return replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def tiny(kind: str = LLAMA, **changes) -> ModelConfig:
+    """The small fp32 model the demo and the tests run on a CPU."""
+    return ModelConfig(kind=kind, **changes)
+
+
+def llama3_8b(dtype=torch.bfloat16) -> ModelConfig:
+    """Llama-3-8B's shape (random weights unless a checkpoint is loaded)."""
+    return ModelConfig(
+        LLAMA, vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+        head_dim=128, intermediate_size=14336, rope_theta=500000.0, rms_eps=1e-5, dtype=dtype,
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine serves.
+
+    ``prefix_cache``: ``none`` (slots straight from a page allocator, every
+    prompt recomputed), ``gpu`` (prefix cache on the device pool only) or
+    ``tiers`` (device pool plus a host pool). ``device_tokens`` and
+    ``host_tokens`` size the pools in token slots. ``max_batch_tokens`` bounds
+    the prefill tokens of one step (a prompt longer than it runs alone).
+    ``exact``: accumulate matmuls in float64 and round back, so a row's result
+    does not depend on the batch it was computed in (greedy outputs are then
+    identical whatever the cache reused); meant for fp32 on the CPU.
+    ``attention``: ``reference``, ``sdpa``, or ``auto`` (sdpa on CUDA, else
+    reference). ``use_advisor``: ask the cache whether loading a host hit
+    beats recomputing it (from the measured prefill rate) before loading.
+    """
+
+    prefix_cache: str = "tiers"
+    device_tokens: int = 4096
+    host_tokens: int = 65536
+    page_size: int = 16
+    layout: str = "layer_first"
+    io_backend: str | None = None
+    write_policy: str = "write_through"
+    eviction: str = "lru"
+    max_batch_tokens: int = 4096
+    max_running: int = 64
+    device: str = "cpu"
+    exact: bool = True
+    attention: str = "auto"
+    use_advisor: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefix_cache not in PREFIX_MODES:
+            raise ValueError(f"unknown prefix_cache {self.prefix_cache!r}; use one of {PREFIX_MODES}")
+        for f in ("device_tokens", "page_size", "max_batch_tokens", "max_running"):
+            _positive(f, getattr(self, f))
+        if self.device_tokens < self.page_size:
+            raise ValueError(f"device_tokens={self.device_tokens} holds no page of page_size={self.page_size}")
+        if self.prefix_cache == "tiers":
+            _positive("host_tokens", self.host_tokens)
+        if self.attention not in ("auto", "reference", "sdpa"):
+            raise ValueError(f"unknown attention {self.attention!r}; use auto, reference or sdpa")
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,135 @@
+"""The reference engine: a model, a kvtier device pool, a KV manager, a scheduler.
+
+It uses kvtier's public API only (pools, allocator, prefix cache), so it
+doubles as the integration test of the library::
+
+    from kvtier.engine import Engine, EngineConfig, tiny
+    engine = Engine.build(tiny("llama"), EngineConfig(prefix_cache="tiers", device_tokens=2048))
+    outputs = engine.generate([[1, 2, 3, 4]], max_new_tokens=8)
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..device_pool import pool_from_spec
+from ..host_pool import host_pool_for
+from .checkpoint import load_checkpoint, random_model
+from .config import EngineConfig, ModelConfig
+from .kv_manager import NoPrefixCache, PrefixCache
+from .model_runner import ModelRunner
+from .models import CausalLM
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+
+def _no_prefix_cache(pool, cfg: EngineConfig, engine: "Engine"):
+    return NoPrefixCache(pool.size, cfg.page_size)
+
+
+def _prefix_cache(pool, cfg: EngineConfig, engine: "Engine"):
+    from ..cache import CacheConfig, HiCache
+
+    host = None
+    if cfg.prefix_cache == "tiers":
+        host = host_pool_for(pool, cfg.layout, host_size_tokens=cfg.host_tokens)
+    cache_cfg = CacheConfig(page_size=cfg.page_size, write_policy=cfg.write_policy,
+                            eviction=cfg.eviction, io_backend=cfg.io_backend)
+    cache = HiCache(pool, host_pool=host, config=cache_cfg)
+    return PrefixCache(cache, advise=engine.prefill_seconds_per_token if cfg.use_advisor else None)
+
+
+def make_model(model_cfg: ModelConfig, config: EngineConfig, seed: int = 0,
+               checkpoint: str | None = None) -> CausalLM:
+    """The model an engine of ``config`` runs: attention and accumulation chosen for its device."""
+    dev = torch.device(config.device)
+    attention = config.attention
+    if attention == "auto":
+        attention = "sdpa" if dev.type == "cuda" else "reference"
+    exact = config.exact and model_cfg.dtype == torch.float32 and dev.type == "cpu"
+    acc = torch.float64 if exact else None
+    if checkpoint:
+        return load_checkpoint(checkpoint, dev, model_cfg.dtype, attention=attention, acc=acc)
+    return random_model(model_cfg, seed, dev, attention=attention, acc=acc)
+
+
+KV_MANAGERS = {"none": _no_prefix_cache, "gpu": _prefix_cache, "tiers": _prefix_cache}
+
+
+class Engine:
+    """Serves greedy generation requests with continuous batching.
+
+    ``step()`` is: schedule, run, postprocess. Requests are added with
+    :meth:`add_request`; each returned :class:`Sequence` records its outputs,
+    its time to first token and what it reused from which tier.
+    """
+
+    def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig()):
+        self.config = config
+        self.model = model
+        spec = model.config.kv_spec()
+        self.pool = pool_from_spec(spec, config.device_tokens, config.page_size, config.device)
+        self.kv = KV_MANAGERS[config.prefix_cache](self.pool, config, self)
+        self.scheduler = Scheduler(self.kv, config.max_batch_tokens, config.max_running)
+        self.runner = ModelRunner(model, self.pool)
+        self.steps = 0
+        self._prefill_time = 0.0
+        self._prefill_tokens = 0
+
+    @classmethod
+    def build(cls, model_cfg: ModelConfig, config: EngineConfig = EngineConfig(), seed: int = 0,
+              checkpoint: str | None = None) -> "Engine":
+        """An engine around a model of ``model_cfg`` with random weights from ``seed``, or a local checkpoint."""
+        return cls(make_model(model_cfg, config, seed, checkpoint), config)
+
+    def add_request(self, prompt: list[int], max_new_tokens: int, namespace: str = "default") -> Sequence:
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+        seq = Sequence(prompt, max_new_tokens, namespace)
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        """One forward pass; returns the sequences that finished in it."""
+        self.kv.poll()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self.scheduler.has_work() and not self.scheduler.running:
+                raise RuntimeError("no request can be admitted although none is running (device pool too small?)")
+            return []
+        t0 = time.perf_counter()
+        tokens = self.runner.run(batch)
+        if batch.prefill:
+            self._prefill_time += time.perf_counter() - t0
+            self._prefill_tokens += batch.num_tokens
+        self.steps += 1
+        return self.scheduler.postprocess(batch, tokens)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def run_until_done(self) -> None:
+        while self.has_work():
+            self.step()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy outputs of ``prompts``, in order (all run together, continuously batched)."""
+        seqs = [self.add_request(p, max_new_tokens) for p in prompts]
+        self.run_until_done()
+        return [s.output_ids for s in seqs]
+
+    def prefill_seconds_per_token(self) -> float:
+        """Measured so far (a rough default before the first prefill)."""
+        return self._prefill_time / self._prefill_tokens if self._prefill_tokens else 1e-4
+
+    def stats(self) -> dict:
+        return {"steps": self.steps, "preemptions": self.scheduler.preemptions,
+                "prefill_seconds_per_token": self.prefill_seconds_per_token(), "cache": self.kv.metrics()}

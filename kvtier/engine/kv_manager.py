@@ -1,0 +1,133 @@
+"""Where a sequence's KV slots come from: a plain page allocator, or kvtier's prefix cache.
+
+The scheduler talks to one of these objects, chosen once by the engine, in
+ints and lists; this module is the seam where kvtier's tensors of slot ids
+turn into lists. Both managers keep the same contract:
+
+- ``admit(seq)``: give a waiting sequence slots for all its tokens, reusing
+  a cached prefix where there is one; ``False`` (and nothing changed) when
+  the device pool has no room now.
+- ``append(seq)``: make sure the token the next decode step feeds has a slot;
+  ``False`` when there is no room (the scheduler then preempts someone).
+- ``release(seq)``: the sequence finished or was preempted; its computed
+  full pages go into the prefix cache (if any), everything else is freed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..allocator import PageAllocator
+from .sequence import Sequence
+
+
+def _round_up(n: int, page: int) -> int:
+    return -(-n // page) * page
+
+
+class _Pages:
+    """What both managers share: growing a running sequence by whole pages."""
+
+    page_size: int
+
+    def _alloc(self, n_tokens: int) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def append(self, seq: Sequence) -> bool:
+        if len(seq.slots) >= seq.num_tokens:
+            return True
+        page = self._alloc(self.page_size)
+        if page is None:
+            return False
+        seq.slots += page.tolist()
+        return True
+
+
+class NoPrefixCache(_Pages):
+    """Every prompt is recomputed; slots come straight from a :class:`kvtier.PageAllocator`."""
+
+    def __init__(self, size: int, page_size: int):
+        self.allocator = PageAllocator(size, page_size)
+        self.page_size = page_size
+        self.capacity = self.allocator.size
+
+    def admit(self, seq: Sequence) -> bool:
+        slots = self._alloc(_round_up(seq.num_tokens, self.page_size))
+        if slots is None:
+            return False
+        seq.slots, seq.prefix_len, seq.num_computed = slots.tolist(), 0, 0
+        return True
+
+    def _alloc(self, n_tokens: int) -> torch.Tensor | None:
+        return self.allocator.alloc(n_tokens)
+
+    def release(self, seq: Sequence) -> None:
+        self.allocator.free(torch.tensor(seq.slots, dtype=torch.int64))
+        _forget(seq)
+
+    def poll(self) -> None:
+        pass
+
+    def metrics(self) -> dict:
+        return {}
+
+
+class PrefixCache(_Pages):
+    """Slots through a :class:`kvtier.cache.HiCache` (device only, or device + host).
+
+    ``advise``: ask the cache whether loading a host hit beats recomputing it,
+    given the engine's measured prefill seconds per token (a callable).
+    """
+
+    def __init__(self, cache, advise=None):
+        self.cache = cache
+        self.page_size = cache.config.page_size
+        self.capacity = cache.device_pool.size // self.page_size * self.page_size
+        self.advise = advise
+
+    def admit(self, seq: Sequence) -> bool:
+        # At least one token must be computed, to get the logits of the last one.
+        match = self.cache.match_prefix(seq.token_ids[: seq.num_tokens - 1], namespace=seq.namespace)
+        self.cache.lock(match.node)
+        prefix, layer_load, from_host = match.device_indices, None, 0
+        if match.host_len and self._load_host(match):
+            loaded = self.cache.load_back(match)
+            if loaded is not None:  # None: no room to load; recompute those tokens instead
+                prefix, layer_load, from_host = loaded.device_indices, loaded.layer_load, loaded.loaded_tokens
+        own = self._alloc(_round_up(seq.num_tokens - len(prefix), self.page_size))
+        if own is None:
+            self.cache.unlock(match.node)
+            return False
+        seq.slots = prefix.tolist() + own.tolist()
+        seq.prefix_len = seq.num_computed = len(prefix)
+        seq.node, seq.layer_load = match.node, layer_load
+        seq.reused_host += from_host
+        seq.reused_device += len(prefix) - from_host
+        return True
+
+    def _load_host(self, match) -> bool:
+        return self.advise is None or self.cache.advise(match, self.advise())
+
+    def _alloc(self, n_tokens: int) -> torch.Tensor | None:
+        return self.cache.alloc_device(n_tokens)
+
+    def release(self, seq: Sequence) -> None:
+        """Insert the computed full pages (the cache owns them now), free the rest, unlock."""
+        full = seq.num_computed // self.page_size * self.page_size
+        if full > seq.prefix_len:
+            self.cache.insert(seq.token_ids[:full], torch.tensor(seq.slots[:full], dtype=torch.int64),
+                              namespace=seq.namespace)
+        if len(seq.slots) > full:
+            self.cache.free_device(torch.tensor(seq.slots[full:], dtype=torch.int64))
+        self.cache.unlock(seq.node)
+        _forget(seq)
+
+    def poll(self) -> None:
+        self.cache.poll()
+
+    def metrics(self) -> dict:
+        return self.cache.metrics.snapshot()
+
+
+def _forget(seq: Sequence) -> None:
+    seq.slots, seq.prefix_len, seq.num_computed, seq.node, seq.layer_load = [], 0, 0, None, None

@@ -1,0 +1,237 @@
+"""The reference engine's models, paged attention and checkpoint loader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from safetensors.torch import save_file
+
+from kvtier.engine import Engine, EngineConfig, ModelConfig, load_checkpoint, random_model, save_checkpoint, tiny
+from kvtier.engine.attention import causal_mask, reference_attention, sdpa_attention
+from kvtier.engine.checkpoint import config_from_hf, config_to_hf
+from kvtier.engine.models.layers import Linear, Rotary
+
+F64 = torch.float64
+KINDS = ("llama", "deepseek")
+SMALL = dict(hidden_size=64, n_layers=2, n_heads=4, intermediate_size=96, vocab_size=97)
+
+
+def small(kind: str, **kw) -> ModelConfig:
+    return tiny(kind, **{**SMALL, **kw})
+
+
+# -- a dense forward pass with no pool, no pages, no cache --------------------
+
+def dense_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits at every position, attention over the whole sequence at once (the textbook way)."""
+    cfg = model.config
+    x = model.model.embed_tokens(torch.tensor(ids))
+    pos = torch.arange(len(ids))
+    for layer in model.model.layers:
+        h = layer.input_layernorm(x)
+        x = x + _dense_attention(layer.self_attn, h, pos, cfg)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.model.norm(x))
+
+
+def _dense_attention(a, h, pos, cfg):
+    n = h.shape[0]
+    if cfg.kind == "llama":
+        q = a.q_proj(h).view(n, a.n_heads, a.d)
+        k = a.k_proj(h).view(n, a.n_kv, a.d)
+        v = a.v_proj(h).view(n, a.n_kv, a.d)
+        cos, sin = a.rotary.cos_sin(pos, h.dtype)
+        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        k, v = (t.repeat_interleave(a.n_heads // a.n_kv, dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(*(t.transpose(0, 1).to(F64) for t in (q, k, v)), is_causal=True)
+        return a.o_proj(out.transpose(0, 1).reshape(n, -1).to(h.dtype))
+    q = a.queries(h).view(n, a.n_heads, a.nope + a.rope)
+    q_nope, q_pe = q.split([a.nope, a.rope], dim=-1)
+    latent, k_pe = a.kv_a_proj_with_mqa(h).split([a.rank, a.rope], dim=-1)
+    cos, sin = a.rotary.cos_sin(pos, h.dtype)
+    q = torch.cat((q_nope, Rotary.apply(q_pe, cos, sin)), -1)
+    k_pe = Rotary.apply(k_pe[:, None], cos, sin)
+    kv = a.kv_b_proj(a.kv_a_layernorm(latent)).view(n, a.n_heads, a.nope + a.dv)
+    k_nope, v = kv.split([a.nope, a.dv], -1)
+    k = torch.cat((k_nope, k_pe.expand(n, a.n_heads, a.rope)), -1)
+    out = F.scaled_dot_product_attention(*(t.transpose(0, 1).to(F64) for t in (q, k, v)), is_causal=True,
+                                         scale=a.scale)
+    return a.o_proj(out.transpose(0, 1).reshape(n, -1).to(h.dtype))
+
+
+def dense_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(dense_logits(model, ids)[-1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_paged_engine_matches_dense_forward(kind, page_size):
+    """Prefill + decode through the pool's page table gives the dense model's tokens."""
+    cfg = small(kind)
+    engine = Engine.build(cfg, EngineConfig(prefix_cache="none", device_tokens=512, page_size=page_size), seed=3)
+    prompts = [[5, 9, 2, 44, 17, 3, 8], list(range(1, 40)), [11]]
+    got = engine.generate(prompts, max_new_tokens=6)
+    for prompt, out in zip(prompts, got):
+        assert out == dense_greedy(engine.model, prompt, 6)
+    assert engine.kv.allocator.available_size() == engine.kv.capacity
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kv_in_pool_equals_dense_keys(kind):
+    """What a prefill writes into the pool is the model's K/V (or latent row) at each position."""
+    cfg = small(kind)
+    engine = Engine.build(cfg, EngineConfig(prefix_cache="none", device_tokens=128, page_size=4), seed=1)
+    seq = engine.add_request([3, 1, 4, 1, 5, 9, 2, 6], max_new_tokens=2)
+    engine.step()  # prefill only
+    a = engine.model.model.layers[0].self_attn
+    h = engine.model.model.layers[0].input_layernorm(engine.model.model.embed_tokens(torch.tensor(seq.token_ids[:8])))
+    slots = torch.tensor(seq.slots[:8])
+    if kind == "llama":
+        cos, sin = a.rotary.cos_sin(torch.arange(8), h.dtype)
+        k = Rotary.apply(a.k_proj(h).view(8, a.n_kv, a.d), cos, sin)
+        torch.testing.assert_close(engine.pool.k_buffer[0][slots], k, rtol=0, atol=0)
+        torch.testing.assert_close(engine.pool.v_buffer[0][slots], a.v_proj(h).view(8, a.n_kv, a.d), rtol=0, atol=0)
+    else:
+        latent = a.kv_a_layernorm(a.kv_a_proj_with_mqa(h)[:, : a.rank])
+        torch.testing.assert_close(engine.pool.kv_buffer[0][slots][:, 0, : a.rank], latent, rtol=0, atol=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 9), q_start=st.integers(0, 12), kv_heads=st.sampled_from([1, 2, 3]),
+       group=st.sampled_from([1, 2, 4]), d=st.sampled_from([4, 8, 12]), dv=st.sampled_from([4, 8]),
+       seed=st.integers(0, 2**16))
+def test_sdpa_attention_matches_reference(n, q_start, kv_heads, group, d, dv, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, kv_heads * group, d, generator=g)
+    k = torch.randn(q_start + n, kv_heads, d, generator=g)
+    v = torch.randn(q_start + n, kv_heads, dv, generator=g)
+    ref = reference_attention(F64)(q, k, v, q_start, d ** -0.5)
+    fast = sdpa_attention()(q, k, v, q_start, d ** -0.5)
+    torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
+    # the last query of a causal block sees every key: plain softmax attention
+    kk = k.repeat_interleave(group, dim=1)
+    vv = v.repeat_interleave(group, dim=1)
+    w = torch.softmax(torch.einsum("hd,khd->hk", q[-1].double(), kk.double()) * d ** -0.5, -1)
+    torch.testing.assert_close(ref[-1].double(), torch.einsum("hk,khd->hd", w, vv.double()), rtol=1e-5, atol=1e-6)
+
+
+def test_causal_mask_offsets():
+    m = causal_mask(3, 2, "cpu")
+    assert m.tolist() == [[True, True, True, False, False], [True, True, True, True, False], [True] * 5]
+
+
+def test_exact_linear_is_batch_invariant():
+    """With float64 accumulation, a row's output does not depend on the other rows of the batch."""
+    lin = Linear(96, 200, acc=F64)
+    torch.nn.init.normal_(lin.weight)
+    x = torch.randn(300, 96)
+    full = lin(x)
+    assert all(torch.equal(full[i : i + 1], lin(x[i : i + 1])) for i in range(0, 300, 7))
+    assert torch.equal(full[10:40], lin(x[10:40]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sdpa_engine_generates_same_tokens(kind):
+    cfg = small(kind)
+    outs = []
+    for attention in ("reference", "sdpa"):
+        e = Engine.build(cfg, EngineConfig(prefix_cache="none", device_tokens=256, attention=attention), seed=4)
+        outs.append(e.generate([[1, 2, 3, 4, 5, 6], [7, 7, 7]], max_new_tokens=5))
+    assert outs[0] == outs[1]
+
+
+# -- checkpoints -----------------------------------------------------------------
+
+def _hf_dir(tmp_path, model, hf_overrides=None, drop=(), reshape=None):
+    """Write a checkpoint by hand, as a Hugging Face export would: config.json + safetensors."""
+    hf = {**config_to_hf(model.config), **(hf_overrides or {})}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in drop}
+    if reshape:
+        state[reshape] = state[reshape][:-1]
+    keys = sorted(state)
+    half = len(keys) // 2  # two shards, as big checkpoints come
+    save_file({k: state[k].contiguous() for k in keys[:half]}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({k: state[k].contiguous() for k in keys[half:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("cfg", [
+    small("llama"), small("llama", tie_embeddings=True, n_kv_heads=4),
+    small("deepseek"), small("deepseek", q_lora_rank=24),
+], ids=["llama", "llama-tied-mha", "deepseek", "deepseek-q-lora"])
+def test_checkpoint_round_trip(tmp_path, cfg):
+    model = random_model(cfg, seed=7)
+    path = _hf_dir(tmp_path, model, drop=("lm_head.weight",) if cfg.tie_embeddings else ())
+    loaded = load_checkpoint(path)
+    assert loaded.config == cfg
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    prompt = [4, 8, 15, 16, 23, 42]
+    a = Engine(model, EngineConfig(prefix_cache="none", device_tokens=64)).generate([prompt], 4)
+    b = Engine(loaded, EngineConfig(prefix_cache="none", device_tokens=64)).generate([prompt], 4)
+    assert a == b
+
+
+def test_save_checkpoint_then_engine_build(tmp_path):
+    cfg = small("deepseek")
+    model = random_model(cfg, seed=2)
+    save_checkpoint(model, tmp_path / "ckpt")
+    e = Engine.build(cfg, EngineConfig(prefix_cache="none", device_tokens=64), checkpoint=str(tmp_path / "ckpt"))
+    ref = Engine(model, EngineConfig(prefix_cache="none", device_tokens=64))
+    assert e.generate([[1, 2, 3]], 5) == ref.generate([[1, 2, 3]], 5)
+
+
+def test_checkpoint_bf16_dtype_override(tmp_path):
+    model = random_model(small("llama"), seed=2)
+    save_checkpoint(model, tmp_path)
+    loaded = load_checkpoint(tmp_path, dtype="bf16")
+    assert loaded.config.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
+
+
+def test_checkpoint_errors(tmp_path):
+    model = random_model(small("llama"), seed=0)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(config_to_hf(model.config)))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_checkpoint(tmp_path / "empty")
+    with pytest.raises(ValueError, match="missing.*q_proj"):
+        load_checkpoint(_hf_dir(tmp_path / "a", model, drop=("model.layers.0.self_attn.q_proj.weight",)))
+    with pytest.raises(ValueError, match="wrong shapes.*embed_tokens"):
+        load_checkpoint(_hf_dir(tmp_path / "b", model, reshape="model.embed_tokens.weight"))
+
+
+@pytest.mark.parametrize("hf, match", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2'"),
+    ({"n_routed_experts": 8}, "mixture-of-experts"),
+    ({"rope_scaling": {"type": "yarn"}}, "rope_scaling"),
+    ({"attention_bias": True}, "bias"),
+])
+def test_config_from_hf_rejects_unsupported(hf, match):
+    base = config_to_hf(small("llama"))
+    with pytest.raises(ValueError, match=match):
+        config_from_hf({**base, **hf})
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kind="gpt"), "unknown model kind"),
+    (dict(n_heads=6, n_kv_heads=4), "multiple of n_kv_heads"),
+    (dict(head_dim=7), "even"),
+    (dict(hidden_size=0), "hidden_size"),
+    (dict(kind="deepseek", qk_rope_head_dim=5), "even"),
+])
+def test_model_config_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**{**SMALL, **kw})
