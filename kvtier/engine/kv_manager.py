@@ -88,6 +88,9 @@ class PrefixCache(_Pages):
     def admit(self, seq: Sequence) -> bool:
         # At least one token must be computed, to get the logits of the last one.
         match = self.cache.match_prefix(seq.token_ids[: seq.num_tokens - 1], namespace=seq.namespace)
+        need = _round_up(seq.num_tokens - match.device_len, self.page_size)
+        if need > self.cache.device_free_tokens():
+            return False  # would fail after loading; skip the transfer
         self.cache.lock(match.node)
         prefix, layer_load, from_host = match.device_indices, None, 0
         if match.host_len and self._load_host(match):
@@ -101,12 +104,11 @@ class PrefixCache(_Pages):
         seq.slots = prefix.tolist() + own.tolist()
         seq.prefix_len = seq.num_computed = len(prefix)
         seq.node, seq.layer_load = match.node, layer_load
-        seq.reused_host += from_host
-        seq.reused_device += len(prefix) - from_host
+        seq.count_reuse(len(prefix) - from_host, from_host)
         return True
 
     def _load_host(self, match) -> bool:
-        return self.advise is None or self.cache.advise(match, self.advise())
+        return self.advise is None or self.cache.advise(match, self.advise()).load
 
     def _alloc(self, n_tokens: int) -> torch.Tensor | None:
         return self.cache.alloc_device(n_tokens)

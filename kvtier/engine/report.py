@@ -29,7 +29,7 @@ def summarize(result: WorkloadResult, cache_metrics: dict | None = None) -> dict
         "ttft_p99_s": float(np.percentile(ttft, 99)),
         "ttft_mean_s": float(ttft.mean()),
         "prefill_tokens_computed": sum(t.computed for t in turns),
-        "prefill_tokens_reused": dev + host,
+        "prefill_tokens_reused": dev + host + sum(t.reused_on_resume for t in turns),
         "output_tokens": outputs,
         "throughput_tok_s": (prompt + outputs) / result.wall_s,
         "output_tok_s": outputs / result.wall_s,

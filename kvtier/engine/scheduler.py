@@ -39,6 +39,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        # Set when the head of the queue did not fit; free space only grows when
+        # a sequence finishes, so admission is not retried before that.
+        self._blocked = False
 
     def add(self, seq: Sequence) -> None:
         need = seq.num_tokens + seq.max_new_tokens
@@ -63,6 +66,8 @@ class Scheduler:
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
+        if self._blocked and self.running:
+            return admitted
         budget = self.max_batch_tokens
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
@@ -70,6 +75,7 @@ class Scheduler:
             if admitted and seq.num_tokens > budget:
                 break
             if not self.kv.admit(seq):
+                self._blocked = True
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -117,4 +123,5 @@ class Scheduler:
                 self.running.remove(seq)
                 self.kv.release(seq)
                 finished.append(seq)
+                self._blocked = False
         return finished

@@ -44,9 +44,10 @@ class Sequence:
     node: object | None = None
     layer_load: object | None = None
     # accounting
-    reused_device: int = 0
-    reused_host: int = 0
-    computed: int = 0  # prompt tokens prefilled (not reused), resumes included
+    reused_device: int = 0  # prompt tokens found on the device at first admission
+    reused_host: int = 0    # ... and loaded from the host tier
+    reused_on_resume: int = 0  # tokens reused (either tier) when resuming after preemption
+    computed: int = 0  # tokens prefilled (not reused), resumes included
     preemptions: int = 0
 
     def __post_init__(self) -> None:
@@ -69,6 +70,12 @@ class Sequence:
     @property
     def done(self) -> bool:
         return len(self.output_ids) >= self.max_new_tokens
+
+    def count_reuse(self, device: int, host: int) -> None:
+        if self.preemptions:
+            self.reused_on_resume += device + host
+        else:
+            self.reused_device, self.reused_host = device, host
 
     @property
     def ttft(self) -> float | None:

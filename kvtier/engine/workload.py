@@ -65,6 +65,7 @@ class Turn:
     outputs: list[int]
     reused_device: int
     reused_host: int
+    reused_on_resume: int
     computed: int
     preemptions: int
 
@@ -109,5 +110,5 @@ def run_workload(engine: Engine, wl: Workload, on_turn: Callable[[Turn], None] |
 def _turn(client: int, round_: int, seq: Sequence) -> Turn:
     return Turn(
         client, round_, seq.num_prompt, seq.ttft, seq.finished_at - seq.arrival, seq.output_ids,
-        seq.reused_device, seq.reused_host, seq.computed, seq.preemptions,
+        seq.reused_device, seq.reused_host, seq.reused_on_resume, seq.computed, seq.preemptions,
     )

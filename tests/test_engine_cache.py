@@ -1,0 +1,150 @@
+"""The reference engine on kvtier's prefix cache: reuse, eviction, preemption, identical outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.cache import HiCache
+from kvtier.engine import Engine, EngineConfig, tiny
+from kvtier.engine.engine import make_model
+from kvtier.engine.workload import Workload, run_workload
+
+KINDS = ("llama", "deepseek")
+SHAPE = dict(hidden_size=64, n_layers=2, n_heads=4, intermediate_size=96, vocab_size=101)
+
+
+def model_of(kind: str, seed: int = 0):
+    return make_model(tiny(kind, **SHAPE), EngineConfig(), seed)
+
+
+def engine(model, mode: str, **kw) -> Engine:
+    cfg = dict(prefix_cache=mode, device_tokens=512, host_tokens=4096, page_size=8)
+    return Engine(model, EngineConfig(**{**cfg, **kw}))
+
+
+def assert_all_released(e: Engine) -> None:
+    """Nothing locked and no request slot left: every device slot is free or evictable."""
+    snap = e.kv.metrics()
+    assert snap["tokens.device.locked"] == 0 and snap["tokens.device.request"] == 0
+    assert e.kv.cache.device_free_tokens() == e.kv.capacity
+
+
+WL = Workload(clients=3, rounds=3, system_tokens=40, user_tokens=20, output_tokens=6, vocab_size=101, seed=5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_outputs_identical_with_and_without_tiers(kind):
+    """Same greedy tokens in all modes, while the small device pool evicts mid-run and the host tier serves hits."""
+    model = model_of(kind)
+    results = {}
+    engines = {}
+    for mode in ("none", "gpu", "tiers"):
+        e = engine(model, mode, device_tokens=192)
+        results[mode] = run_workload(e, WL).outputs()
+        engines[mode] = e
+    assert results["none"] == results["gpu"] == results["tiers"]
+    assert len(results["none"]) == WL.total_turns()
+    tiers = engines["tiers"].kv.metrics()
+    assert tiers["evicted_tokens_total.device"] > 0  # eviction happened in the middle of the run
+    assert tiers["hit_tokens_total.host"] > 0 and tiers["transfers_total.load"] > 0
+    assert engines["gpu"].kv.metrics()["dropped_tokens_total"] > 0
+    for mode in ("gpu", "tiers"):
+        assert_all_released(engines[mode])
+    none = engines["none"].kv.allocator
+    assert none.available_size() == none.size
+
+
+def test_scheduler_reuses_device_then_host_prefix():
+    model = model_of("llama", seed=1)
+    prompt = list(range(1, 65))  # 8 whole pages
+    e = engine(model, "tiers")
+    first = e.add_request(prompt, 4)
+    e.run_until_done()
+    assert first.reused_device == first.reused_host == 0 and first.computed == 64
+    second = e.add_request(prompt + [7, 8, 9], 4)
+    e.run_until_done()
+    # 64 prompt tokens + 3 generated: the first request's 8 full pages (64 tokens) are reused;
+    # its generated tokens differ from [7, 8, 9] so they do not match.
+    assert second.reused_device == 64 and second.reused_host == 0 and second.computed == 3
+    e.kv.cache.poll()
+    e.kv.cache.evict_device(e.kv.capacity)  # demote everything: only the host copy is left
+    third = e.add_request(prompt + [7, 8, 9], 4)
+    e.run_until_done()
+    assert third.reused_host == 64 and third.reused_device == 0
+    fresh = engine(model, "none")
+    assert fresh.generate([prompt + [7, 8, 9]], 4) == [second.output_ids] == [third.output_ids]
+    assert_all_released(e)
+
+
+def test_attention_waits_on_each_layer_of_a_host_load(monkeypatch):
+    """Layer i of the forward pass waits on the load's layer i, once, in order."""
+    model = model_of("deepseek")
+    e = engine(model, "tiers")
+    prompt = list(range(2, 50))
+    e.generate([prompt], 2)
+    e.kv.cache.poll()
+    e.kv.cache.evict_device(e.kv.capacity)
+    waits: list[int] = []
+    real = HiCache.load_back
+
+    class Spy:
+        def __init__(self, load):
+            self.load = load
+
+        def wait_layer(self, layer, stream=None):
+            waits.append(layer)
+            return self.load.wait_layer(layer, stream)
+
+    def spying_load_back(self, match):
+        r = real(self, match)
+        return None if r is None else type(r)(r.device_indices, Spy(r.layer_load), r.loaded_tokens)
+
+    monkeypatch.setattr(HiCache, "load_back", spying_load_back)
+    e.generate([prompt + [1]], 3)
+    assert waits == list(range(model.config.n_layers))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_preemption_resumes_through_host_tier(kind):
+    """Decoding outgrows the pool; the preempted request's pages go to the host and come back."""
+    model = model_of(kind, seed=2)
+    prompts = [[(i * 7 + j) % 101 for j in range(60)] for i in range(3)]
+    e = engine(model, "tiers", device_tokens=208)
+    seqs = [e.add_request(p, 40) for p in prompts]
+    e.run_until_done()
+    assert e.scheduler.preemptions > 0
+    resumed = [s for s in seqs if s.preemptions]
+    assert resumed and all(s.reused_on_resume > 0 for s in resumed)
+    snap = e.kv.metrics()
+    assert snap["hit_tokens_total.host"] > 0 and snap["transfers_total.load"] > 0
+    alone = [engine(model, "none").generate([p], 40)[0] for p in prompts]
+    assert [s.output_ids for s in seqs] == alone
+    assert_all_released(e)
+
+
+@pytest.mark.parametrize("policy", ["write_through_selective", "write_back"])
+def test_write_policies_keep_outputs(policy):
+    model = model_of("llama", seed=3)
+    wl = Workload(clients=2, rounds=3, system_tokens=32, user_tokens=16, output_tokens=5, vocab_size=101)
+    ref = run_workload(engine(model, "none"), wl).outputs()
+    e = engine(model, "tiers", device_tokens=128, write_policy=policy)
+    assert run_workload(e, wl).outputs() == ref
+    assert_all_released(e)
+
+
+def test_advisor_path_keeps_outputs():
+    model = model_of("llama", seed=4)
+    wl = Workload(clients=2, rounds=3, system_tokens=32, user_tokens=16, output_tokens=5, vocab_size=101)
+    ref = run_workload(engine(model, "none"), wl).outputs()
+    e = engine(model, "tiers", device_tokens=128, use_advisor=True)
+    assert run_workload(e, wl).outputs() == ref
+
+
+@pytest.mark.parametrize("mode", ["none", "gpu", "tiers"])
+def test_request_larger_than_the_pool_is_refused_up_front(mode):
+    e = engine(model_of("llama"), mode, device_tokens=64)
+    with pytest.raises(ValueError, match="needs 75 token slots.*holds 64"):
+        e.add_request(list(range(70)), 5)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        e.add_request([1, 500], 5)
+    assert not e.has_work()
