@@ -14,6 +14,7 @@ COMMANDS = {
 }
 BENCH_COMMANDS = {
     "alloc": ("kvtier.bench.alloc", "alloc"),
+    "ttft": ("kvtier.bench.ttft", "ttft"),
 }
 
 

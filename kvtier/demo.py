@@ -132,9 +132,12 @@ def demo(**o) -> None:
     bad = [m for m in modes if m not in ALL_MODES]
     if bad or not modes:
         raise click.BadParameter(f"unknown mode(s) {bad}; use a subset of {','.join(ALL_MODES)}", param_hint="--modes")
-    mcfg = _model_config(o)
-    for m in modes:
-        _engine_config(o, m)  # every bad flag fails here, before any work
+    try:  # every bad flag fails here, before any work
+        mcfg = _model_config(o)
+        for m in modes:
+            _engine_config(o, m)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     click.echo(f"model: {o['model']} ({mcfg.kv_spec().describe()}), {o['clients']} clients x {o['rounds']} rounds, "
                f"device pool {o['device_tokens']} tokens, host pool {o['host_tokens']} tokens")
     t0 = time.perf_counter()

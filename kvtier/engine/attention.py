@@ -105,21 +105,40 @@ def reference_attention(acc: torch.dtype | None = None) -> AttendFn:
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
+def _lower_right(n_q: int, n_k: int):
+    """Causal mask aligned to the last key, as a bias the fused kernels understand (torch >= 2.2)."""
+    try:
+        from torch.nn.attention.bias import causal_lower_right
+    except ImportError:  # older torch: an explicit boolean mask
+        return None
+    return causal_lower_right(n_q, n_k)
+
+
 def sdpa_attention() -> AttendFn:
-    """Causal attention through ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels)."""
+    """Causal attention through ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels).
+
+    A whole-sequence prefill (``q_start == 0``) is plain causal attention; a
+    prefill after a cached prefix uses a lower-right-aligned causal bias, so
+    the fused kernels still run (KV heads are repeated for them, as the
+    memory-efficient kernel does not group query heads).
+    """
 
     def attend(q, k, v, q_start, scale):
         n_heads = q.shape[1]
-        if _SDPA_GQA:
-            kk, vv, extra = k, v, {"enable_gqa": k.shape[1] != n_heads}
-        else:
-            kk, vv, extra = _expand_heads(k, n_heads), _expand_heads(v, n_heads), {}
-        qt, kt, vt = q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1)
+        qt = q.transpose(0, 1)
+        if q_start == 0 and _SDPA_GQA:
+            out = F.scaled_dot_product_attention(qt, k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                                 scale=scale, enable_gqa=k.shape[1] != n_heads)
+            return out.transpose(0, 1)
+        kt = _expand_heads(k, n_heads).transpose(0, 1)
+        vt = _expand_heads(v, n_heads).transpose(0, 1)
         if q_start == 0:
-            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, **extra)
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
         else:
-            mask = causal_mask(q.shape[0], q_start, q.device)
-            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, **extra)
+            mask = _lower_right(q.shape[0], k.shape[0])
+            if mask is None:
+                mask = causal_mask(q.shape[0], q_start, q.device)
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
         return out.transpose(0, 1)
 
     return attend

@@ -1,0 +1,210 @@
+"""``kvtier bench ttft``: time to first token when a long prefix is in the host tier, against recomputing it.
+
+For each context length ``L`` the reference engine serves prompts of
+``L`` shared-prefix tokens plus ``new`` fresh ones, three ways, in one run:
+
+- **recompute**: no prefix cache; the whole prompt is prefilled (fused
+  attention: torch's ``scaled_dot_product_attention``);
+- **host hit**: the prefix was served before, backed up to the host tier and
+  evicted from the device; it is loaded back layer by layer while the
+  forward pass of the new tokens runs;
+- **device hit**: the prefix is still on the device: only the new tokens are
+  prefilled (the floor a host hit can approach).
+
+The same run measures the contiguous-copy limit (one pinned host -> device
+copy of the prefix's KV bytes). Acceptance (on the GPU): host-hit TTFT at
+least 10x below recompute, and at most ``1.2 x KV bytes / limit + device-hit
+TTFT``, which shows the loads overlap the forward pass.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+
+import click
+import torch
+
+from ..engine import Engine, EngineConfig, Sequence, llama3_8b, tiny
+from ..engine.engine import make_model
+
+MODELS = {
+    "llama-3-8b": lambda: llama3_8b(torch.bfloat16),
+    "tiny": lambda: tiny("llama", hidden_size=256, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32,
+                         intermediate_size=512, vocab_size=1000),
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def serve(engine: Engine, prompt: list[int]) -> Sequence:
+    """Run one request alone to its first (and only) token; the device is idle before and after."""
+    _sync(engine.pool.device)
+    seq = engine.add_request(prompt, max_new_tokens=1)
+    engine.run_until_done()
+    _sync(engine.pool.device)
+    return seq
+
+
+def copy_limit_gbps(nbytes: int, device: torch.device, repeats: int = 5) -> float:
+    """Contiguous host -> device copy of ``nbytes`` (pinned on CUDA): the physical limit, GB/s."""
+    if device.type != "cuda":
+        src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        return nbytes / statistics.median(times) / 1e9
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return nbytes / statistics.median(times) / 1e9
+
+
+def prefill_flops(cfg, n_tokens: int) -> float:
+    """Matmul FLOPs of prefilling ``n_tokens`` from scratch (causal attention counted once per pair)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    proj = h * (cfg.n_heads * d + 2 * cfg.n_kv_heads * d) + cfg.n_heads * d * h + 3 * h * cfg.intermediate_size
+    linear = 2 * cfg.n_layers * proj * n_tokens + 2 * h * cfg.vocab_size
+    attention = 2 * 2 * cfg.n_layers * cfg.n_heads * d * n_tokens * (n_tokens + 1) / 2
+    return linear + attention
+
+
+def measure_length(none: Engine, tiers: Engine, L: int, new: int, repeats: int, rng: random.Random) -> dict:
+    vocab = none.model.config.vocab_size
+    prefix = [rng.randrange(vocab) for _ in range(L)]
+    suffixes = [[rng.randrange(vocab) for _ in range(new)] for _ in range(2 * repeats)]
+    cache = tiers.kv.cache
+    recompute, host, device, same = [], [], [], []
+    # Put the prefix in both tiers, then off the device.
+    serve(tiers, prefix)
+    for suffix, other in zip(suffixes[:repeats], suffixes[repeats:]):
+        cache.evict_device(tiers.kv.capacity)  # waits for the write-through backup, then frees the device copy
+        r = serve(none, prefix + suffix)
+        h = serve(tiers, prefix + suffix)
+        d = serve(tiers, prefix + other)
+        if h.reused_host != L or d.reused_device != L:
+            raise RuntimeError(f"expected a {L}-token host hit and device hit, got {h.reused_host} and "
+                               f"{d.reused_device}: the prefix did not stay in the tiers (pools too small?)")
+        recompute.append(r.ttft)
+        host.append(h.ttft)
+        device.append(d.ttft)
+        same.append(r.output_ids == h.output_ids)
+    return {
+        "recompute_ttft_s": statistics.median(recompute),
+        "host_hit_ttft_s": statistics.median(host),
+        "device_hit_ttft_s": statistics.median(device),
+        "first_tokens_equal": sum(same),
+        "samples": {"recompute": recompute, "host_hit": host, "device_hit": device},
+    }
+
+
+def run(model_name: str, lengths: list[int], new: int, repeats: int, device: str, io_backend: str | None,
+        layout: str, page_size: int, seed: int, echo=click.echo) -> dict:
+    dev = torch.device(device)
+    mcfg = MODELS[model_name]()
+    if dev.type == "cpu" and mcfg.dtype != torch.float32:
+        mcfg = mcfg.with_(dtype=torch.float32)
+    tokens = (max(lengths) + 2 * new) // page_size * page_size + 2 * page_size
+    base = dict(device_tokens=tokens, host_tokens=tokens, page_size=page_size, layout=layout,
+                io_backend=io_backend, device=device, max_batch_tokens=tokens)
+    t0 = time.perf_counter()
+    model = make_model(mcfg, EngineConfig(**base), seed)
+    none = Engine(model, EngineConfig(prefix_cache="none", **base))
+    tiers = Engine(model, EngineConfig(prefix_cache="tiers", **base))
+    echo(f"model {model_name} ({mcfg.kv_spec().describe()}) on {device}, built in {time.perf_counter() - t0:.1f} s; "
+         f"io_backend={tiers.kv.cache.engine.io_backend}")
+    rng = random.Random(seed)
+    serve(none, [rng.randrange(mcfg.vocab_size) for _ in range(min(lengths))])  # warm-up: kernels, allocator
+    serve(tiers, [rng.randrange(mcfg.vocab_size) for _ in range(new)])
+    rows = []
+    for L in lengths:
+        kv_bytes = L * mcfg.kv_spec().bytes_per_token
+        limit = copy_limit_gbps(kv_bytes, dev)
+        m = measure_length(none, tiers, L, new, repeats, rng)
+        bound = 1.2 * kv_bytes / (limit * 1e9) + m["device_hit_ttft_s"]
+        row = {
+            "context_tokens": L, "new_tokens": new, "kv_bytes": kv_bytes, "copy_limit_gbps": limit,
+            **{k: v for k, v in m.items() if k != "samples"},
+            "speedup": m["recompute_ttft_s"] / m["host_hit_ttft_s"],
+            "load_gbps_effective": kv_bytes / max(m["host_hit_ttft_s"] - m["device_hit_ttft_s"], 1e-9) / 1e9,
+            "bound_s": bound,
+            "prefill_tflops": prefill_flops(mcfg, L + new) / m["recompute_ttft_s"] / 1e12,
+            "pass_10x": m["recompute_ttft_s"] >= 10 * m["host_hit_ttft_s"],
+            "pass_bound": m["host_hit_ttft_s"] <= bound,
+            "samples": m["samples"],
+        }
+        rows.append(row)
+        echo(_line(row))
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return {"model": model_name, "device": device_name, "io_backend": tiers.kv.cache.engine.io_backend,
+            "layout": layout, "page_size": page_size, "repeats": repeats, "torch": torch.__version__,
+            "rows": rows, "cache_metrics": tiers.kv.metrics()}
+
+
+def _line(r: dict) -> str:
+    return (f"{r['context_tokens']:>6} ctx + {r['new_tokens']} new: recompute {r['recompute_ttft_s'] * 1e3:8.1f} ms "
+            f"({r['prefill_tflops']:.3g} TFLOP/s) | host hit {r['host_hit_ttft_s'] * 1e3:7.1f} ms "
+            f"| device hit {r['device_hit_ttft_s'] * 1e3:6.1f} ms | {r['speedup']:5.1f}x "
+            f"| bound {r['bound_s'] * 1e3:6.1f} ms (KV {r['kv_bytes'] / 1e9:.3g} GB, limit {r['copy_limit_gbps']:.1f} GB/s)")
+
+
+def table(doc: dict) -> str:
+    head = "| context | new | recompute TTFT | prefill TFLOP/s | host-hit TTFT | device-hit TTFT | speedup | bound | copy limit | 10x | bound ok |"
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['context_tokens']:,} | {r['new_tokens']} | {r['recompute_ttft_s'] * 1e3:.1f} ms | "
+            f"{r['prefill_tflops']:.3g} | {r['host_hit_ttft_s'] * 1e3:.1f} ms | {r['device_hit_ttft_s'] * 1e3:.1f} ms | "
+            f"{r['speedup']:.1f}x | {r['bound_s'] * 1e3:.1f} ms | {r['copy_limit_gbps']:.1f} GB/s | "
+            f"{'yes' if r['pass_10x'] else 'NO'} | {'yes' if r['pass_bound'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.option("--model", "model_name", type=click.Choice(sorted(MODELS)), default="llama-3-8b", show_default=True,
+              help="llama-3-8b: the real shape, random bf16 weights (GPU); tiny: a CPU smoke test")
+@click.option("--contexts", default="16384,32768", show_default=True, help="comma-separated prefix lengths")
+@click.option("--new-tokens", default=128, show_default=True, help="fresh tokens after the prefix")
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--device", default=None, help="cuda or cpu (default: cuda if available)")
+@click.option("--io-backend", default=None, help="direct | kernel | dma | auto (default: the transfer engine's)")
+@click.option("--layout", default="layer_first", show_default=True)
+@click.option("--page-size", default=64, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def ttft(model_name, contexts, new_tokens, repeats, device, io_backend, layout, page_size, seed, json_path):
+    """TTFT of a host-tier prefix hit against recomputing the prefix (and a device hit)."""
+    try:
+        lengths = [int(x) for x in contexts.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{contexts!r} is not a comma-separated list of integers", param_hint="--contexts")
+    if not lengths or min(lengths) < page_size:
+        raise click.BadParameter(f"every context must be >= page_size={page_size}", param_hint="--contexts")
+    if any(L % page_size for L in lengths):
+        raise click.BadParameter(f"contexts must be multiples of page_size={page_size} (whole pages are cached)",
+                                 param_hint="--contexts")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    doc = run(model_name, lengths, new_tokens, repeats, device, io_backend, layout, page_size, seed)
+    click.echo("")
+    click.echo(table(doc))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=2, default=str)
+        click.echo(f"json: {json_path}")

@@ -1,0 +1,58 @@
+"""``kvtier demo`` and ``kvtier bench ttft`` end to end on tiny settings (outputs, JSON, plot; no timings asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvtier.cli import main
+
+TINY = ["--hidden", "64", "--layers", "2", "--intermediate", "96", "--clients", "3", "--rounds", "3",
+        "--system-tokens", "48", "--user-tokens", "24", "--output-tokens", "6",
+        "--device-tokens", "192", "--host-tokens", "2048", "--page-size", "8", "--no-progress"]
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek"])
+def test_demo_runs_three_modes_and_writes_json_and_plot(tmp_path, model):
+    out_json, out_png = tmp_path / "demo.json", tmp_path / "ttft.png"
+    res = CliRunner().invoke(main, ["demo", "--model", model, *TINY, "--json", str(out_json), "--plot", str(out_png)])
+    assert res.exit_code == 0, res.output
+    assert "outputs identical: yes" in res.output
+    for title in ("no prefix cache", "GPU-only prefix cache", "GPU + host tiers"):
+        assert title in res.output
+    doc = json.loads(out_json.read_text())
+    assert doc["outputs_identical"] is True
+    assert set(doc["modes"]) == {"none", "gpu", "tiers"}
+    for mode, s in doc["modes"].items():
+        for field in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "prefill_tokens_computed", "prefill_tokens_reused"):
+            assert field in s, (mode, field)
+        assert s["requests"] == 9
+    assert doc["modes"]["none"]["hit_rate"] == 0
+    assert doc["modes"]["tiers"]["hit_rate_host"] > 0
+    assert doc["modes"]["tiers"]["prefill_tokens_computed"] < doc["modes"]["none"]["prefill_tokens_computed"]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_rejects_bad_flags_before_running(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(main, ["demo", "--modes", "none,disk", "--no-progress"])
+    assert res.exit_code != 0 and "disk" in res.output
+    res = runner.invoke(main, ["demo", "--device-tokens", "8", "--page-size", "16", "--no-progress"])
+    assert res.exit_code == 2 and "device_tokens=8" in res.output
+    res = runner.invoke(main, ["demo", "--heads", "3", "--kv-heads", "2", "--no-progress"])
+    assert res.exit_code == 2 and "multiple of n_kv_heads" in res.output
+
+
+def test_bench_ttft_runs_on_cpu(tmp_path):
+    out = tmp_path / "ttft.json"
+    res = CliRunner().invoke(main, ["bench", "ttft", "--model", "tiny", "--contexts", "128,256", "--new-tokens", "16",
+                                    "--repeats", "1", "--page-size", "16", "--device", "cpu", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert [r["context_tokens"] for r in doc["rows"]] == [128, 256]
+    for r in doc["rows"]:
+        assert r["first_tokens_equal"] == 1
+        assert r["recompute_ttft_s"] > 0 and r["host_hit_ttft_s"] > 0 and r["copy_limit_gbps"] > 0
+    assert doc["cache_metrics"]["hit_tokens_total.host"] >= 128 + 256
