@@ -101,10 +101,6 @@ def reference_attention(acc: torch.dtype | None = None) -> AttendFn:
     return attend
 
 
-# torch >= 2.5 groups query heads inside the kernel; older ones need the KV heads repeated.
-_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
-
-
 def _lower_right(n_q: int, n_k: int):
     """Causal mask aligned to the last key, as a bias the fused kernels understand (torch >= 2.2)."""
     try:
@@ -119,17 +115,14 @@ def sdpa_attention() -> AttendFn:
 
     A whole-sequence prefill (``q_start == 0``) is plain causal attention; a
     prefill after a cached prefix uses a lower-right-aligned causal bias, so
-    the fused kernels still run (KV heads are repeated for them, as the
-    memory-efficient kernel does not group query heads).
+    the fused kernels still run. KV heads are repeated for the kernels
+    (a cheap copy next to the attention itself) rather than relying on
+    ``enable_gqa``, which not every fused kernel and torch version supports.
     """
 
     def attend(q, k, v, q_start, scale):
         n_heads = q.shape[1]
         qt = q.transpose(0, 1)
-        if q_start == 0 and _SDPA_GQA:
-            out = F.scaled_dot_product_attention(qt, k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-                                                 scale=scale, enable_gqa=k.shape[1] != n_heads)
-            return out.transpose(0, 1)
         kt = _expand_heads(k, n_heads).transpose(0, 1)
         vt = _expand_heads(v, n_heads).transpose(0, 1)
         if q_start == 0:
