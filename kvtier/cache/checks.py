@@ -1,0 +1,45 @@
+"""Argument checks of the cache's public calls: they raise before anything changes."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .config import CacheConfig
+
+
+def as_slots(values) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise ValueError(f"slot indices must be integers, got a tensor of {values.dtype}")
+        arr = values.detach().to("cpu", torch.int64).numpy()
+    else:
+        arr = np.asarray(values)
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"slot indices must be integers, got dtype {arr.dtype}")
+        arr = arr.astype(np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"slot indices must be one-dimensional, got shape {tuple(arr.shape)}")
+    return arr
+
+
+def check_namespace(namespace) -> None:
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError(f"namespace must be a non-empty string, got {namespace!r}")
+
+
+def check_pools(device_pool, host_pool, config, engine) -> None:
+    if not isinstance(config, CacheConfig):
+        raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+    if device_pool.page_size != config.page_size:
+        raise ValueError(
+            f"config.page_size={config.page_size} but the device pool has page_size={device_pool.page_size}; "
+            "they must match"
+        )
+    if host_pool is not None:
+        if host_pool.device_pool is not device_pool:
+            raise ValueError("host_pool mirrors a different device pool; build it from this device_pool")
+        if host_pool.page_size != config.page_size:
+            raise ValueError(f"host pool page_size={host_pool.page_size} differs from config.page_size={config.page_size}")
+    elif engine is not None:
+        raise ValueError("transfer_engine given without a host_pool; a device-only cache moves nothing")

@@ -1,0 +1,82 @@
+"""The prefix cache's knobs: one frozen, validated value."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..transfer.base import IO_BACKENDS
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+EVICTION_POLICIES = ("lru", "lfu")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How a :class:`~kvtier.cache.HiCache` behaves; checked once, never mutated.
+
+    - ``page_size``: tokens per page; must equal the pools' page size.
+    - ``write_policy``: when device pages get a host copy. ``write_through``
+      backs up on insert; ``write_through_selective`` once a node has been
+      hit ``selective_hits`` times; ``write_back`` when the device evicts it.
+    - ``eviction``: ``lru`` or ``lfu`` (same policy for both tiers).
+    - ``io_backend``: passed to :class:`~kvtier.transfer.TransferEngine`
+      (None: the engine's default for the device).
+    - ``max_inflight_backups`` / ``max_inflight_loads``: bounds of the
+      transfer queues; a full backup queue skips write-through backups
+      (counted in the metrics), a full load queue makes ``load_back`` wait
+      for the oldest load.
+    - ``model_id``: salts page hashes with the model's identity (weights),
+      on top of the KV shape, layout and page size.
+    - ``load_gbps_prior``: host->device bandwidth the advisor assumes until it
+      has measured one (0: no prior, loads are advised until measured).
+    - ``bandwidth_ewma``: weight of the newest measurement in the bandwidth
+      estimate (0 < w <= 1).
+    - ``advisor_margin``: load when ``load_seconds <= margin * recompute_seconds``.
+    """
+
+    page_size: int
+    write_policy: str = "write_through"
+    selective_hits: int = 2
+    eviction: str = "lru"
+    io_backend: str | None = None
+    max_inflight_backups: int = 256
+    max_inflight_loads: int = 64
+    model_id: str = ""
+    load_gbps_prior: float = 0.0
+    bandwidth_ewma: float = 0.25
+    advisor_margin: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive_int("page_size", self.page_size)
+        _choice("write_policy", self.write_policy, WRITE_POLICIES)
+        _choice("eviction", self.eviction, EVICTION_POLICIES)
+        _positive_int("selective_hits", self.selective_hits)
+        _positive_int("max_inflight_backups", self.max_inflight_backups)
+        _positive_int("max_inflight_loads", self.max_inflight_loads)
+        if self.io_backend is not None:
+            _choice("io_backend", self.io_backend, IO_BACKENDS)
+        if not isinstance(self.model_id, str):
+            raise ValueError(f"model_id must be a string, got {self.model_id!r}")
+        _finite("load_gbps_prior", self.load_gbps_prior, low=0.0)
+        _finite("advisor_margin", self.advisor_margin, low=0.0, strict=True)
+        _finite("bandwidth_ewma", self.bandwidth_ewma, low=0.0, strict=True)
+        if self.bandwidth_ewma > 1:
+            raise ValueError(f"bandwidth_ewma must be in (0, 1], got {self.bandwidth_ewma!r}")
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _choice(name: str, value, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"unknown {name} {value!r}; use one of {list(options)}")
+
+
+def _finite(name: str, value, low: float, strict: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or (strict and value == low):
+        bound = f"> {low}" if strict else f">= {low}"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")

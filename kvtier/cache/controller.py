@@ -1,0 +1,398 @@
+"""HiCache: the hierarchical prefix cache a serving engine talks to.
+
+One lock guards the tree and the tiers, so a scheduler thread can match,
+insert and lock while another thread polls for completed transfers.
+Expected outcomes are return values (``None`` from :meth:`alloc_device`
+and :meth:`load_back` when even eviction cannot make room); misuse raises
+before anything changes.
+
+A request's life::
+
+    m = cache.match_prefix(tokens)          # device part + host extension
+    cache.lock(m.node)                      # nothing on the path is evicted now
+    r = cache.load_back(m)                  # host part -> device, layer by layer
+    own = cache.alloc_device(n)             # slots for the tokens it computes
+    ...                                     # attention waits on r.layer_load
+    cache.insert(tokens, slots)             # the tree takes the full pages
+    cache.free_device(partial_page_slots)
+    cache.unlock(m.node)
+"""
+
+from __future__ import annotations
+
+import threading
+import numpy as np
+import torch
+
+from ..allocator import tokens_to_pages
+from ..transfer.engine import LayerLoad, TransferEngine
+from .advisor import Advice, advise
+from .config import CacheConfig
+from .hashing import as_token_array, chain_hashes, namespace_seed
+from .inflight import LOAD, CombinedLayerLoad
+from .metrics import CacheMetrics
+from .policy import make_policies
+from .radix import Node, RadixTree
+from .checks import as_slots, check_namespace, check_pools
+from .tiers import REQUEST, TREE, Tiers, concat, tokens_of
+from .types import LoadResult, MatchResult, StorageHook
+
+
+class HiCache:
+    """A radix-tree prefix cache over a device pool and, optionally, a host pool.
+
+    ``host_pool=None`` makes a device-only prefix cache. The cache owns the
+    device pool's slot allocator (requests get slots from
+    :meth:`alloc_device`), the host pool's allocator, and a transfer engine
+    (``transfer_engine`` overrides the one built from ``config.io_backend``).
+    """
+
+    def __init__(self, device_pool, host_pool=None, config: CacheConfig | None = None, *,
+                 storage_hook: StorageHook | None = None, transfer_engine=None):
+        config = CacheConfig(page_size=device_pool.page_size) if config is None else config
+        check_pools(device_pool, host_pool, config, transfer_engine)
+        self.config = config
+        self.device_pool, self.host_pool = device_pool, host_pool
+        self.page_size = ps = config.page_size
+        if host_pool is not None and transfer_engine is None:
+            transfer_engine = TransferEngine(host_pool, config.io_backend)
+        self.engine = transfer_engine
+        layout = host_pool.layout if host_pool is not None else "device"
+        self.salt = device_pool.spec.salt(layout, ps) + b"|model=" + config.model_id.encode()
+        self._lock = threading.RLock()
+        self.tree = RadixTree(ps)
+        self.eviction_policy, self.write_policy = make_policies(config)
+        self.metrics = CacheMetrics(self._state)
+        self.tiers = Tiers(device_pool, host_pool, config, self.tree, self.eviction_policy,
+                           self.write_policy, self.metrics, transfer_engine, storage_hook)
+
+    # -- device slots for requests -------------------------------------------
+
+    def alloc_device(self, n_tokens: int) -> torch.Tensor | None:
+        """``n_tokens`` device slots (whole pages), evicting unlocked cached pages if needed.
+
+        None when even eviction cannot make room (backpressure: retry after
+        requests finish, or preempt one).
+        """
+        n_pages = self._pages_of(n_tokens, "n_tokens")
+        with self._lock:
+            self.tiers.poll()
+            pages = self.tiers.alloc_request(n_pages)
+            if pages is None:
+                self.metrics.backpressure["alloc_device"].inc()
+                return None
+            return tokens_of(pages, self.page_size)
+
+    def free_device(self, slots) -> None:
+        """Give back slots from :meth:`alloc_device` that were not handed to :meth:`insert`."""
+        pages = self._slot_pages(slots, "slots")
+        if len(np.unique(pages)) != len(pages):
+            raise ValueError("slots names a page twice")
+        with self._lock:
+            if len(pages):
+                self.tiers.free_request(pages)
+
+    # -- matching and locking -------------------------------------------------
+
+    def match_prefix(self, token_ids, namespace: str = "default", lock: bool = False) -> MatchResult:
+        """The longest cached whole-page prefix of ``token_ids`` in ``namespace``.
+
+        ``lock=True`` also locks ``node`` under the same lock hold; with more
+        than one thread matching and evicting, a separate :meth:`lock` call
+        could come after another thread evicted the match.
+        """
+        tokens = as_token_array(token_ids)
+        check_namespace(namespace)
+        with self._lock:
+            if len(self.tiers.inflight):
+                self.tiers.poll()
+            root = self._root(namespace)
+            path, matched, partial = self.tree.walk(root, tokens)
+            if partial is not None:
+                path.append(self.tree.split(*partial))
+                matched += partial[1]
+            n_dev = 0
+            while n_dev < len(path) and path[n_dev].device is not None and path[n_dev].device_ready:
+                n_dev += 1
+            dev_pages = concat([n.device for n in path[:n_dev]])
+            host_len = matched - len(dev_pages) * self.page_size
+            self.tree.touch(path, hit=True)
+            self._count_match(len(tokens), len(dev_pages) * self.page_size, host_len)
+            self._backup_hot(path[:n_dev])
+            node = path[-1] if path else root
+            if lock:
+                self.tree.lock(node)
+            return MatchResult(tokens_of(dev_pages, self.page_size), host_len, node, namespace)
+
+    def lock(self, node: Node) -> None:
+        """Hold every node from the root to ``node``: none of them is evicted until unlocked."""
+        with self._lock:
+            self._check_node(node)
+            self.tree.lock(node)
+
+    def unlock(self, node: Node) -> None:
+        with self._lock:
+            self._check_node(node)
+            if node.parent is not None and node.lock_ref == 0:
+                raise ValueError("unlock without a matching lock: this node is not locked")
+            self.tree.unlock(node)
+
+    # -- insert ----------------------------------------------------------------
+
+    def insert(self, token_ids, device_indices, namespace: str = "default") -> int:
+        """Cache the full pages of ``token_ids`` whose KV sits in ``device_indices``.
+
+        ``device_indices[i]`` holds the KV of ``token_ids[i]``; only whole
+        pages are inserted, the partial last page stays the caller's. Slots
+        of new pages pass to the tree; slots of pages the tree already holds
+        on the device are freed unless they are the tree's own; pages the
+        tree holds only on the host adopt the caller's slots. Returns how
+        many tokens were cached before. Raises before changing anything if a
+        slot is not the caller's (from alloc_device, or the tree's slot for
+        that very page).
+        """
+        tokens = as_token_array(token_ids)
+        check_namespace(namespace)
+        slots = as_slots(device_indices)
+        if len(slots) > len(tokens):
+            raise ValueError(f"{len(slots)} device_indices for only {len(tokens)} token_ids")
+        n_full = len(slots) // self.page_size * self.page_size
+        tokens = tokens[:n_full].copy()
+        pages = self._slot_pages(slots[:n_full], "device_indices")
+        if len(np.unique(pages)) != len(pages):
+            raise ValueError("device_indices names a page twice")
+        with self._lock:
+            root = self._root(namespace)
+            path, matched, partial = self.tree.walk(root, tokens)
+            self._check_insert_pages(path, partial, pages)
+            if partial is not None:
+                path.append(self.tree.split(*partial))
+                matched += partial[1]
+            self._absorb(path, pages)
+            if matched < n_full:
+                parent = path[-1] if path else root
+                self._add_leaf(parent, tokens[matched:], pages[matched // self.page_size :])
+            else:
+                self.tree.touch(path, hit=False)
+            return matched
+
+    def _check_insert_pages(self, path, partial, pages: np.ndarray) -> None:
+        """Every page is the caller's, or the tree's own page at that very position."""
+        ps = self.page_size
+        held = [n.device if n.device is not None else np.full(len(n) // ps, -1) for n in path]
+        if partial is not None:
+            child, k = partial
+            whole = child.device if child.device is not None else np.full(len(child) // ps, -1)
+            held.append(whole[: k // ps])
+        existing = concat(held)
+        head = pages[: len(existing)]
+        mine = np.concatenate([head[head != existing], pages[len(existing):]])
+        bad = mine[self.tiers.owner[mine] != REQUEST]
+        if len(bad):
+            p = int(bad[0])
+            raise ValueError(
+                f"device page {p} (slots {p * self.page_size}..) is not the caller's: insert takes "
+                "slots from alloc_device, or the tree's own slots for the same tokens"
+            )
+
+    def _absorb(self, path: list[Node], pages: np.ndarray) -> None:
+        """Matched nodes: free the caller's duplicate pages, or adopt them where the device lacks the node."""
+        start = 0
+        for node in path:
+            mine = pages[start : start + len(node) // self.page_size]
+            start += len(mine)
+            if node.device is None:
+                self.tiers.owner[mine] = TREE
+                self.tree.set_device(node, mine, ready=True)
+                continue
+            dup = mine[mine != node.device]
+            if len(dup):
+                self.tiers.release_device(dup)
+
+    def _add_leaf(self, parent: Node, tokens: np.ndarray, pages: np.ndarray) -> None:
+        hashes = chain_hashes(parent.hashes[-1], tokens, self.page_size)
+        leaf = self.tree.add_leaf(parent, tokens, hashes)
+        self.tiers.owner[pages] = TREE
+        self.tree.set_device(leaf, pages, ready=True)
+        self.tree.touch(self.tree.path_to(leaf), hit=False)
+        if self.engine is not None and self.write_policy.backup_on_insert(leaf):
+            self.tiers.start_backup([leaf])
+
+    # -- host -> device --------------------------------------------------------
+
+    def load_back(self, match: MatchResult) -> LoadResult | None:
+        """Bring the match's host part onto the device; ``match.node`` must be locked.
+
+        Returns the device slots of the whole matched prefix and the
+        per-layer completion to wait on, or None when the device has no room
+        even after eviction (nothing changed then).
+        """
+        with self._lock:
+            node = match.node
+            self._check_node(node)
+            if node.parent is not None and node.lock_ref == 0:
+                raise ValueError("lock(match.node) before load_back: an unlocked match may be evicted meanwhile")
+            path = self.tree.path_to(node)
+            first = 0
+            while first < len(path) and path[first].device is not None and path[first].device_ready:
+                first += 1
+            rest = path[first:]
+            to_load = [n for n in rest if n.device is None]
+            pending = list({id(n.op): n.op for n in rest if n.device is not None and n.op is not None}.values())
+            if to_load:
+                op = self.tiers.start_load(to_load)
+                if op is None:
+                    self.metrics.backpressure["load_back"].inc()
+                    return None
+                pending.append(op)
+            handles = [op.handle for op in pending]
+            loaded = sum(len(n) for n in to_load)
+            if not handles:
+                layer_load = LayerLoad(self.device_pool.layer_num, 0)
+            else:
+                layer_load = handles[0] if len(handles) == 1 else CombinedLayerLoad(handles)
+            self.tiers.poll()
+            dev = tokens_of(concat([n.device for n in path]), self.page_size)
+            return LoadResult(dev, layer_load, loaded)
+
+    def advise(self, match: MatchResult, prefill_seconds_per_token: float) -> Advice:
+        """Load the match's host part, or recompute it? From the measured load bandwidth."""
+        if not (isinstance(prefill_seconds_per_token, (int, float)) and prefill_seconds_per_token >= 0):
+            raise ValueError(f"prefill_seconds_per_token must be a number >= 0, got {prefill_seconds_per_token!r}")
+        with self._lock:
+            a = advise(match.host_len, self.tiers.token_bytes, self.tiers.meters[LOAD],
+                       float(prefill_seconds_per_token), self.config.advisor_margin)
+            if a.host_tokens:
+                self.metrics.advice[a.decision].inc()
+            return a
+
+    # -- housekeeping ------------------------------------------------------------
+
+    def poll(self) -> int:
+        """Complete finished backups and loads; returns how many completed."""
+        with self._lock:
+            return self.tiers.poll()
+
+    def evict_device(self, n_tokens: int) -> int:
+        """Free at least ``n_tokens`` device slots of unlocked cached pages if possible; returns slots freed."""
+        want = self._pages_of(n_tokens, "n_tokens", round_up=True)
+        with self._lock:
+            freed = self.tiers.evict_device(want)
+            while freed < want and len(self.tiers.inflight):
+                self.tiers.wait_oldest()
+                freed += self.tiers.evict_device(want - freed)
+            return freed * self.page_size
+
+    def evict_host(self, n_tokens: int) -> int:
+        """Free up to ``n_tokens`` host slots (rounded up to pages); returns slots freed."""
+        want = self._pages_of(n_tokens, "n_tokens", round_up=True)
+        with self._lock:
+            if self.host_pool is None:
+                return 0
+            return self.tiers.evict_host(want) * self.page_size
+
+    def clear(self) -> None:
+        """Wait for transfers in flight, then drop every cached page of both tiers.
+
+        Slots requests hold (from alloc_device) stay theirs. Raises if a node
+        is still locked, before changing anything.
+        """
+        with self._lock:
+            if self.tree.locked_nodes:
+                raise RuntimeError(
+                    f"{self.tree.locked_nodes} cached nodes are locked; unlock every matched node before clear()"
+                )
+            self.tiers.wait_all()
+            self.tiers.free_everything()
+            self.tree.reset()
+
+    def device_free_tokens(self) -> int:
+        """Slots alloc_device can hand out: free ones plus unlocked cached ones it may evict."""
+        t = self.tree
+        return (self.tiers.device_alloc.available_pages() + t.device_pages - t.device_locked_pages) * self.page_size
+
+    def host_free_tokens(self) -> int:
+        """Host slots free or held by unlocked cached pages (0 without a host pool)."""
+        if self.host_pool is None:
+            return 0
+        t = self.tree
+        return (self.tiers.host_alloc.available_pages() + t.host_pages - t.host_locked_pages) * self.page_size
+
+    def page_hashes(self, token_ids, namespace: str = "default") -> list[bytes]:
+        """Chained page hashes of every whole page (the L3 keys); cached pages reuse the tree's."""
+        tokens = as_token_array(token_ids)
+        check_namespace(namespace)
+        with self._lock:
+            root = self._root(namespace)
+            path, matched, partial = self.tree.walk(root, tokens)
+            known = [h for n in path for h in n.hashes]
+            if partial is not None:
+                known += partial[0].hashes[: partial[1] // self.page_size]
+                matched += partial[1]
+            prev = known[-1] if known else root.hashes[0]
+        return known + chain_hashes(prev, tokens[matched:], self.page_size)
+
+    # -- internals -----------------------------------------------------------------
+
+    def _root(self, namespace: str) -> Node:
+        root = self.tree.root(namespace)
+        return root if root is not None else self.tree.root(namespace, namespace_seed(self.salt, namespace))
+
+    def _count_match(self, n_tokens: int, device: int, host: int) -> None:
+        m = self.metrics
+        m.query_tokens.inc(n_tokens - n_tokens % self.page_size)
+        if device:
+            m.hit_tokens["device"].inc(device)
+        if host:
+            m.hit_tokens["host"].inc(host)
+
+    def _backup_hot(self, device_path: list[Node]) -> None:
+        if self.engine is None:
+            return
+        hot = [n for n in device_path if n.host is None and n.op is None and self.write_policy.backup_on_hit(n)]
+        if hot:
+            self.tiers.start_backup(hot)
+
+    def _check_node(self, node) -> None:
+        if not isinstance(node, Node):
+            raise TypeError(f"expected a MatchResult.node, got {type(node).__name__}")
+        if not node.alive:
+            raise ValueError("this node was evicted from the cache; match_prefix again")
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        if self.tree.roots.get(top.namespace) is not top:
+            raise ValueError("this node belongs to another cache (or one cleared since); match_prefix again")
+
+    def _pages_of(self, n_tokens, name: str, round_up: bool = False) -> int:
+        if not isinstance(n_tokens, (int, np.integer)) or isinstance(n_tokens, bool) or n_tokens < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {n_tokens!r}")
+        if round_up:
+            return -(-int(n_tokens) // self.page_size)
+        if n_tokens % self.page_size:
+            up = -(-int(n_tokens) // self.page_size) * self.page_size
+            raise ValueError(f"{name}={n_tokens} is not a multiple of page_size={self.page_size}; ask for {up}")
+        return int(n_tokens) // self.page_size
+
+    def _slot_pages(self, slots, name: str) -> np.ndarray:
+        arr = as_slots(slots)
+        if not len(arr):
+            return arr
+        try:
+            return tokens_to_pages(arr, self.page_size, self.tiers.device_alloc.size)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+    def _state(self) -> dict:
+        with self._lock:
+            t, ps, tiers = self.tree, self.page_size, self.tiers
+            tokens = {
+                ("device", "cached"): t.device_pages * ps, ("device", "locked"): t.device_locked_pages * ps,
+                ("device", "free"): tiers.device_alloc.available_pages() * ps,
+                ("device", "request"): int((tiers.owner == REQUEST).sum()) * ps,
+                ("host", "cached"): t.host_pages * ps, ("host", "locked"): t.host_locked_pages * ps,
+                ("host", "free"): tiers.host_alloc.available_pages() * ps if tiers.host_alloc else 0,
+            }
+            depth = {k: tiers.inflight.depth(k) for k in ("backup", "load")}
+            bw = {k: m.bps for k, m in tiers.meters.items()}
+            return {"tokens": tokens, "queue_depth": depth, "bandwidth": bw}

@@ -1,0 +1,90 @@
+"""What the cache did, in a Prometheus registry of its own.
+
+Nothing is exported unless the caller wants it: the registry is private to
+one cache (``prometheus_client.generate_latest(cache.metrics.registry)``
+renders it, ``start_http_server(port, registry=...)`` serves it), and
+:meth:`CacheMetrics.snapshot` gives the same numbers as a plain dict.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+
+PREFIX = "kvtier_cache_"
+TIERS = ("device", "host")
+DIRECTIONS = ("backup", "load")
+
+
+class _StateCollector:
+    """Gauges read from the cache when the registry is collected."""
+
+    def __init__(self, state: Callable[[], dict]):
+        self._state = state
+
+    def describe(self):
+        return self._families({"tokens": {}, "queue_depth": {}, "bandwidth": {}})
+
+    def collect(self):
+        return self._families(self._state())
+
+    @staticmethod
+    def _families(s: dict):
+        tokens = GaugeMetricFamily(PREFIX + "tokens", "Tokens per tier and state", labels=["tier", "state"])
+        for (tier, state), v in s["tokens"].items():
+            tokens.add_metric([tier, state], v)
+        depth = GaugeMetricFamily(PREFIX + "queue_depth", "Transfers in flight", labels=["queue"])
+        for q, v in s["queue_depth"].items():
+            depth.add_metric([q], v)
+        bw = GaugeMetricFamily(PREFIX + "bandwidth_bytes_per_second",
+                               "Measured transfer bandwidth (0: not measured yet)", labels=["direction"])
+        for d, v in s["bandwidth"].items():
+            bw.add_metric([d], v)
+        return [tokens, depth, bw]
+
+
+class CacheMetrics:
+    """Counters the cache increments, plus gauges read from its state."""
+
+    def __init__(self, state: Callable[[], dict]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+
+        def counter(name, doc, labels=()):
+            return Counter(PREFIX + name, doc, labels, registry=r)
+
+        self.query_tokens = counter("query_tokens", "Whole-page prompt tokens looked up")
+        hits = counter("hit_tokens", "Prompt tokens found, by the tier that held them", ["tier"])
+        self.hit_tokens = {t: hits.labels(tier=t) for t in TIERS}
+        ev = counter("evicted_tokens", "Tokens evicted from a tier", ["tier"])
+        self.evicted_tokens = {t: ev.labels(tier=t) for t in TIERS}
+        self.demoted_tokens = counter("demoted_tokens", "Device tokens given a host copy on eviction")
+        self.dropped_tokens = counter("dropped_tokens", "Tokens removed from the cache altogether")
+        nb = counter("transfer_bytes", "Bytes moved between tiers", ["direction"])
+        self.transfer_bytes = {d: nb.labels(direction=d) for d in DIRECTIONS}
+        sec = counter("transfer_seconds", "Issue-to-completion time of transfers", ["direction"])
+        self.transfer_seconds = {d: sec.labels(direction=d) for d in DIRECTIONS}
+        cnt = counter("transfers", "Transfers completed", ["direction"])
+        self.transfers = {d: cnt.labels(direction=d) for d in DIRECTIONS}
+        self.stall_seconds = counter("stall_seconds", "Time the cache blocked waiting for a transfer")
+        adv = counter("advice", "Load-or-recompute decisions", ["decision"])
+        self.advice = {d: adv.labels(decision=d) for d in ("load", "recompute")}
+        skip = counter("backups_skipped", "Backups not issued", ["reason"])
+        self.backups_skipped = {r_: skip.labels(reason=r_) for r_ in ("queue_full", "host_full")}
+        bp = counter("backpressure", "Requests for device room refused", ["call"])
+        self.backpressure = {c: bp.labels(call=c) for c in ("alloc_device", "load_back")}
+        self.storage_offered_pages = counter("storage_offered_pages", "Host pages offered to the storage hook")
+        r.register(_StateCollector(state))
+
+    def snapshot(self) -> dict[str, float]:
+        """Every sample as ``{"name.label1.label2": value}`` (name without the prefix)."""
+        out: dict[str, float] = {}
+        for metric in self.registry.collect():
+            for s in metric.samples:
+                if s.name.endswith("_created"):
+                    continue
+                key = ".".join([s.name.removeprefix(PREFIX), *s.labels.values()])
+                out[key] = s.value
+        return out
