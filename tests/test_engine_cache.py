@@ -156,20 +156,19 @@ def test_request_larger_than_the_pool_is_refused_up_front(mode):
 
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), kind=st.sampled_from(KINDS), page_size=st.sampled_from([1, 4, 16]),
-       device_pages=st.integers(6, 24), mode=st.sampled_from(["gpu", "tiers"]))
+       device_pages=st.integers(2, 12), mode=st.sampled_from(["gpu", "tiers"]))
 def test_any_request_mix_generates_what_each_request_does_alone(data, kind, page_size, device_pages, mode):
     """Random prompts sharing random prefixes, on a small pool (eviction, preemption, host hits): each
     request's tokens equal its tokens when served alone without a cache, and every slot comes back."""
     model = MODELS.setdefault(kind, model_of(kind, seed=9))
-    device_tokens = max(device_pages * page_size, 96)
-    trunk = data.draw(st.lists(st.integers(0, 100), min_size=0, max_size=40))
+    trunk = data.draw(st.lists(st.integers(0, 100), min_size=0, max_size=48))
     reqs = []
-    for _ in range(data.draw(st.integers(1, 5))):
+    for _ in range(data.draw(st.integers(1, 6))):
         cut = data.draw(st.integers(0, len(trunk)))
-        tail = data.draw(st.lists(st.integers(0, 100), min_size=1, max_size=20))
-        new = data.draw(st.integers(1, 8))
-        if cut + len(tail) + new <= device_tokens:
-            reqs.append((trunk[:cut] + tail, new))
+        tail = data.draw(st.lists(st.integers(0, 100), min_size=1, max_size=12))
+        reqs.append((trunk[:cut] + tail, data.draw(st.integers(1, 16))))
+    largest = max(len(p) + n for p, n in reqs)
+    device_tokens = max(device_pages, -(-largest // page_size) + 1) * page_size
     e = engine(model, mode, device_tokens=device_tokens, page_size=page_size, max_batch_tokens=64)
     seqs = [e.add_request(p, n) for p, n in reqs]
     e.run_until_done()
