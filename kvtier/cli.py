@@ -15,6 +15,7 @@ COMMANDS = {
 BENCH_COMMANDS = {
     "alloc": ("kvtier.bench.alloc", "alloc"),
     "ttft": ("kvtier.bench.ttft", "ttft"),
+    "cache": ("kvtier.bench.cache", "cache"),
 }
 
 

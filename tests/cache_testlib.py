@@ -152,13 +152,13 @@ def common_pages(a, b, page_size: int) -> int:
 # -- a cache on small real pools, and one request served the way an engine does it ----
 
 def make_cache(kind="mha", layout="layer_first", page_size=4, dev_pages=8, host_pages=16, held=True,
-               layers=2, **config):
+               layers=2, device="cpu", **config):
     """(cache, device pool, host pool or None, held engine or None); host_pages=0 for device-only."""
     from kvtier.cache import CacheConfig, HiCache
     from kvtier_testlib import make_device_pool, make_host_pool
 
     dev = make_device_pool(kind, dev_pages * page_size, page_size, torch.float16, layers,
-                           heads=2, head_dim=4, lora=6, rope=2)
+                           device=device, heads=2, head_dim=4, lora=6, rope=2)
     host = make_host_pool(dev, layout, host_pages * page_size) if host_pages else None
     engine = HeldTransferEngine(host) if (host is not None and held) else None
     cache = HiCache(dev, host, CacheConfig(page_size=page_size, **config), transfer_engine=engine)
