@@ -15,6 +15,7 @@ COMMANDS = {
 BENCH_COMMANDS = {
     "alloc": ("kvtier.bench.alloc", "alloc"),
     "ttft": ("kvtier.bench.ttft", "ttft"),
+    "transfer": ("kvtier.bench.transfer", "transfer"),
     "cache": ("kvtier.bench.cache", "cache"),
 }
 

@@ -17,17 +17,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .base import get_backend
 
 
 class TransferHandle:
-    """Completion of one backup (or any all-at-once transfer)."""
+    """Completion of one backup (or any all-at-once transfer).
 
-    def __init__(self, nbytes: int = 0, event=None, started: float | None = None):
+    Holds every tensor the transfer reads (index tensors, their device
+    copies) until it is complete, so none is freed or reused under it.
+    """
+
+    def __init__(self, nbytes: int = 0, event=None, started: float | None = None, keep=()):
         self.nbytes = nbytes
         self._event = event
+        self._keep = keep
         self.started = time.perf_counter() if started is None else started
         self.finished_at: float | None = None if event is not None else self.started
 
@@ -35,8 +41,14 @@ class TransferHandle:
         if self._event is None or self._event.query():
             if self.finished_at is None:
                 self.finished_at = time.perf_counter()
+            self._keep = ()
             return True
         return False
+
+    def wait(self, stream=None) -> None:
+        """Make ``stream`` (default: the current one) wait for the transfer, without blocking the host."""
+        if self._event is not None:
+            (torch.cuda.current_stream() if stream is None else stream).wait_event(self._event)
 
     def synchronize(self) -> None:
         if self._event is not None:
@@ -47,10 +59,11 @@ class TransferHandle:
 class LayerLoad:
     """Completion of a layer-by-layer load: one event per layer."""
 
-    def __init__(self, layer_num: int, nbytes: int = 0, events=None):
+    def __init__(self, layer_num: int, nbytes: int = 0, events=None, keep=()):
         self.layer_num = layer_num
         self.nbytes = nbytes
         self._events = events  # None on the CPU: every layer is already there
+        self._keep = keep      # tensors the load reads, held until it is done
         self.started = time.perf_counter()
         self.finished_at: float | None = None if events is not None else self.started
 
@@ -71,8 +84,13 @@ class LayerLoad:
         if self._events is None or self._events[-1].query():
             if self.finished_at is None:
                 self.finished_at = time.perf_counter()
+            self._keep = ()
             return True
         return False
+
+    @property
+    def _event(self):
+        return None if self._events is None else self._events[-1]
 
     def synchronize(self) -> None:
         if self._events is not None:
@@ -88,23 +106,50 @@ class TransferStats:
     load_bytes: int = 0
 
 
+
+class _InFlight:
+    """Slots an unfinished transfer touches, and the event that ends it."""
+
+    def __init__(self, handle, host: np.ndarray, dev: np.ndarray, to_host: bool):
+        self.handle, self.host, self.dev, self.to_host = handle, host, dev, to_host
+
+    def overlaps(self, host: np.ndarray, dev: np.ndarray) -> bool:
+        return bool(np.isin(host, self.host, kind="table").any() or np.isin(dev, self.dev, kind="table").any())
+
+
 class TransferEngine:
     """Moves pages between one host pool and its device pool.
 
     ``io_backend``: ``direct`` (default on CPU), ``kernel``, ``dma`` or ``auto``
     (default on CUDA). The engine never decides *what* to move; the cache
     controller does.
+
+    On CUDA, backups run on one stream and loads on another (high priority),
+    each ordered after the work queued so far on the caller's current stream.
+    A transfer that touches a host or device slot of an unfinished transfer
+    on the other stream waits for it. The caller must not reuse a slot a
+    transfer touches before its handle is ``done()`` (or, on the GPU, before
+    it made its stream wait on the handle: ``wait_layer`` / ``wait``).
+    ``block_quota`` bounds the SMs a zero-copy transfer may occupy.
     """
 
-    def __init__(self, host_pool, io_backend: str | None = None):
+    def __init__(self, host_pool, io_backend: str | None = None, *, block_quota: int | None = None):
         self.host_pool = host_pool
         self.device_pool = host_pool.device_pool
         self.device = torch.device(getattr(self.device_pool, "device", "cpu"))
         if io_backend is None:
             io_backend = "auto" if self.device.type == "cuda" else "direct"
+        if block_quota is not None and (not isinstance(block_quota, int) or block_quota <= 0):
+            raise ValueError(f"block_quota must be a positive integer, got {block_quota!r}")
         self.backend = get_backend(io_backend, self.device)
         self.io_backend = io_backend
+        self.block_quota = block_quota
         self.stats = TransferStats()
+        self._inflight: list[_InFlight] = []
+        if self.device.type == "cuda":
+            lo, hi = torch.cuda.Stream.priority_range()
+            self.backup_stream = torch.cuda.Stream(self.device, priority=lo)
+            self.load_stream = torch.cuda.Stream(self.device, priority=hi)
 
     @property
     def layer_num(self) -> int:
@@ -116,17 +161,68 @@ class TransferEngine:
 
     def backup(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> TransferHandle:
         """Copy device slots to host slots for every layer; the handle says when done."""
-        self.host_pool.backup_from_device_all_layer(self.device_pool, host_indices, device_indices, self.io_backend)
         n = self._nbytes(len(host_indices))
+        if self.device.type != "cuda":
+            self.host_pool.backup_from_device_all_layer(self.device_pool, host_indices, device_indices, self.io_backend)
+            handle = TransferHandle(n)
+        else:
+            handle = self._cuda(host_indices, device_indices, True, n)
         self.stats.backups += 1
         self.stats.backup_bytes += n
-        return TransferHandle(n)
+        return handle
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> LayerLoad:
         """Copy host slots into device slots, layer by layer; wait per layer on the handle."""
-        for layer in range(self.layer_num):
-            self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer, self.io_backend)
         n = self._nbytes(len(host_indices))
+        if self.device.type != "cuda":
+            for layer in range(self.layer_num):
+                self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer, self.io_backend)
+            handle = LayerLoad(self.layer_num, n)
+        else:
+            handle = self._cuda(host_indices, device_indices, False, n)
         self.stats.loads += 1
         self.stats.load_bytes += n
-        return LayerLoad(self.layer_num, n)
+        return handle
+
+    def _cuda(self, host_indices, device_indices, to_host: bool, nbytes: int):
+        h, d = self.host_pool._check_indices(host_indices, device_indices, self.device_pool)
+        parts = self.host_pool.transfer_parts()
+        stream = self.backup_stream if to_host else self.load_stream
+        h_np, d_np = h.to("cpu").numpy(), d.to("cpu").numpy()
+        producer = torch.cuda.current_stream(self.device)
+        stream.wait_stream(producer)
+        self._order_after_conflicts(stream, h_np, d_np, to_host)
+        for t in (h, d):
+            if t.device.type == "cuda":
+                t.record_stream(stream)
+        with torch.cuda.stream(stream):
+            run = self._runner(parts, h, d, to_host)
+            if to_host:
+                run(None)
+                event = torch.cuda.Event()
+                event.record(stream)
+                handle = TransferHandle(nbytes, event, keep=(h, d, run))
+            else:
+                events = []
+                for layer in range(self.layer_num):
+                    run(layer)
+                    events.append(torch.cuda.Event())
+                    events[-1].record(stream)
+                handle = LayerLoad(self.layer_num, nbytes, events, keep=(h, d, run))
+        self._inflight.append(_InFlight(handle, h_np, d_np, to_host))
+        return handle
+
+    def _runner(self, parts, h, d, to_host: bool):
+        prepare = getattr(self.backend, "prepare", None)
+        if prepare is not None:
+            return prepare(parts, h, d, to_host, self.block_quota)
+        if to_host:
+            return lambda layer: self.backend.backup(parts, h, d, self.block_quota)
+        return lambda layer: self.backend.load(parts, h, d, layer)
+
+    def _order_after_conflicts(self, stream, h_np, d_np, to_host: bool) -> None:
+        """Make ``stream`` wait for unfinished transfers on the other stream that share a slot."""
+        self._inflight = [f for f in self._inflight if not f.handle.done()]
+        for f in self._inflight:
+            if f.to_host != to_host and f.overlaps(h_np, d_np):
+                stream.wait_event(f.handle._event)

@@ -1,0 +1,240 @@
+"""``kvtier bench transfer``: every backend against the contiguous-copy limit of the same run.
+
+For MHA (llama-3-8b), MLA (deepseek-v3) and DSA (glm-dsa), page sizes 1, 16
+and 64, every host layout, host slots as the allocator hands them out and
+scattered, it times an all-layer backup, a per-layer load and both at once
+through :class:`~kvtier.transfer.TransferEngine`, and reports GB/s, the ratio
+to one large contiguous copy in the same direction, and the SMs used.
+Without CUDA the limit is a CPU memcpy and only ``direct`` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import click
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..device_pool import pool_from_spec
+from ..host_pool import host_pool_for
+from ..layouts import SUPPORTED
+from ..spec import preset
+from ..transfer import TransferEngine
+
+SHAPES = {"mha": "llama-3-8b", "mla": "deepseek-v3", "dsa": "glm-dsa"}
+PAGE_SIZES = (1, 64, 16)  # the acceptance rows (1, 64) first
+DIRECTIONS = ("backup", "load", "both")
+# A row whose first timed run takes longer than this is reported from that run alone.
+SLOW_S = 0.5
+
+
+@dataclass(frozen=True)
+class Row:
+    kind: str
+    layout: str
+    page_size: int
+    direction: str
+    backend: str
+    host_slots: str
+    gbps: float
+    limit_gbps: float
+    ratio: float
+    sms: int
+
+
+class Clock:
+    """Times ``fn`` (which queues work) by device events on CUDA, wall clock on the CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def once(self, fn) -> float:
+        if not self.cuda:
+            t = time.perf_counter()
+            fn()
+            return time.perf_counter() - t
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
+
+    def median(self, fn, reps: int, warmup: int) -> float:
+        for _ in range(warmup):
+            self.once(fn)
+        first = self.once(fn)
+        if first > SLOW_S:
+            return first
+        return float(np.median([first] + [self.once(fn) for _ in range(reps - 1)]))
+
+
+def contiguous_limit(nbytes: int, clock: Clock, reps: int) -> dict[str, float]:
+    """GB/s of one large contiguous copy each way (pinned host <-> device, or CPU memcpy)."""
+    if not clock.cuda:
+        a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        a.fill_(7)
+        t = clock.median(lambda: b.copy_(a), reps, 1)
+        return {"backup": nbytes / t / 1e9, "load": nbytes / t / 1e9}
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    d2h = clock.median(lambda: host.copy_(dev, non_blocking=True), reps, 1)
+    h2d = clock.median(lambda: dev.copy_(host, non_blocking=True), reps, 1)
+    return {"backup": nbytes / d2h / 1e9, "load": nbytes / h2d / 1e9}
+
+
+def slots(pages: int, page_size: int, n_pages: int, rng, scattered: bool, host_pool=None) -> torch.Tensor:
+    if host_pool is not None and not scattered:
+        return host_pool.alloc(n_pages * page_size)
+    chosen = rng.permutation(pages)[:n_pages]
+    return torch.from_numpy((chosen[:, None] * page_size + np.arange(page_size)).reshape(-1).astype(np.int64))
+
+
+class Case:
+    """One pool pair (kind, layout, page size) and its transfers."""
+
+    def __init__(self, kind: str, layout: str, page_size: int, tokens: int, device: str, layers: int | None):
+        spec = preset(SHAPES[kind])
+        if layers:
+            spec = type(spec)(**{**asdict_spec(spec), "layer_num": layers})
+        self.tokens = tokens - tokens % page_size
+        self.dev = pool_from_spec(spec, 2 * self.tokens, page_size, device)
+        for stack in self.dev.stacks.values():
+            stack.view(torch.uint8).random_(0, 256)
+        self.host = host_pool_for(self.dev, layout, host_size_tokens=2 * self.tokens, validate_indices=False)
+        self.nbytes = self.tokens * spec.bytes_per_token
+
+    def indices(self, scattered: bool, rng):
+        ps, n_pages = self.dev.page_size, self.tokens // self.dev.page_size
+        self.host.clear()
+        h1 = slots(self.host.page_num, ps, n_pages, rng, scattered, self.host)
+        rest = np.setdiff1d(np.arange(self.host.page_num), (h1[::ps] // ps).numpy())
+        h2 = torch.from_numpy((rng.permutation(rest)[:n_pages, None] * ps + np.arange(ps)).reshape(-1))
+        d = slots(self.dev.size // ps, ps, 2 * n_pages, rng, True)
+        return h1, d[: self.tokens], h2, d[self.tokens:]
+
+
+def asdict_spec(spec) -> dict:
+    return {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+
+
+def measure(case: Case, engine: TransferEngine, direction: str, idx, clock: Clock, reps: int) -> float:
+    h1, d1, h2, d2 = idx
+    cuda = clock.cuda
+
+    def backup():
+        hd = engine.backup(h1, d1)
+        hd.wait() if cuda else None
+
+    def load():
+        ld = engine.load(h1, d1)
+        ld.wait_layer(ld.layer_num - 1) if cuda else None
+
+    def both():
+        hd = engine.backup(h1, d1)
+        ld = engine.load(h2, d2)
+        if cuda:
+            hd.wait()
+            ld.wait_layer(ld.layer_num - 1)
+    fn = {"backup": backup, "load": load, "both": both}[direction]
+    t = clock.median(fn, reps, 1)
+    return (2 if direction == "both" else 1) * case.nbytes / t / 1e9
+
+
+def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_sizes, layers, progress=True,
+              on_row=None) -> list[Row]:
+    """Time every combination; ``on_row(rows)`` is called after each row (partial results survive)."""
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    backends = backends if cuda else ("direct",)
+    clock = Clock(cuda)
+    rng = np.random.default_rng(0)
+    combos = [(k, lay, ps) for k in kinds for lay in SUPPORTED[k] for ps in page_sizes]
+    total = len(combos) * 2 * len(DIRECTIONS) * len(backends)
+    rows: list[Row] = []
+    bar = tqdm(total=total, desc="bench transfer", disable=not progress)
+    limits = None
+    for kind, layout, ps in combos:
+        case = Case(kind, layout, ps, tokens, device, layers)
+        if limits is None:
+            limits = contiguous_limit(case.nbytes, clock, reps)
+            limits["both"] = (limits["backup"] + limits["load"]) / 2
+        for scattered in (False, True):
+            idx = case.indices(scattered, rng)
+            for backend in backends:
+                if backend == "direct" and scattered and ps == 1:
+                    bar.update(len(DIRECTIONS))  # one copy per slot and layer: minutes, and says nothing new
+                    continue
+                engine = TransferEngine(case.host, backend)
+                for direction in DIRECTIONS:
+                    bar.set_postfix_str(f"{kind} {layout} p{ps} {direction} {backend}")
+                    gbps = measure(case, engine, direction, idx, clock, reps)
+                    sms = getattr(engine.backend, "last_blocks", 0)
+                    lim = limits[direction]
+                    rows.append(Row(kind, layout, ps, direction, backend,
+                                    "scattered" if scattered else "allocator",
+                                    round(gbps, 2), round(lim, 2), round(gbps / lim, 3), sms))
+                    bar.update()
+                    if on_row:
+                        on_row(rows)
+        case.host.close()
+        del case
+    bar.close()
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    head = f"{'kind':4} {'layout':11} {'page':>4} {'direction':9} {'slots':9} " + " ".join(
+        f"{b:>14}" for b in dict.fromkeys(r.backend for r in rows))
+    lines = [head]
+    keyed: dict[tuple, dict[str, Row]] = {}
+    for r in rows:
+        keyed.setdefault((r.kind, r.layout, r.page_size, r.direction, r.host_slots), {})[r.backend] = r
+    for (k, lay, ps, d, s), by in keyed.items():
+        cells = " ".join(f"{by[b].gbps:6.1f} {by[b].ratio:4.2f}x" for b in by)
+        lines.append(f"{k:4} {lay:11} {ps:>4} {d:9} {s:9} {cells}")
+    return "\n".join(lines)
+
+
+@click.command("transfer")
+@click.option("--tokens", type=int, default=8192, show_default=True, help="tokens per transfer")
+@click.option("--reps", type=int, default=3, show_default=True, help="timed runs per row (median)")
+@click.option("--backend", "backends", multiple=True, default=("direct", "kernel", "dma", "auto"),
+              show_default=True, help="backends to time (CUDA); only direct runs on the CPU")
+@click.option("--kind", "kinds", multiple=True, default=tuple(SHAPES), show_default=True)
+@click.option("--page-size", "page_sizes", multiple=True, type=int, default=PAGE_SIZES, show_default=True)
+@click.option("--quick", is_flag=True, help="tiny shapes (4 layers, 256 tokens): a smoke test for CI")
+@click.option("--verbose", is_flag=True, help="print every row as it is measured")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the rows as JSON here")
+def transfer(tokens, reps, backends, kinds, page_sizes, quick, verbose, json_path):
+    """Transfer bandwidth of every backend, kind, layout and page size, as a ratio to the limit."""
+    for k in kinds:
+        if k not in SHAPES:
+            raise click.BadParameter(f"unknown kind {k!r}; use one of {list(SHAPES)}", param_hint="--kind")
+    if tokens < 64 or reps < 1:
+        raise click.BadParameter(f"need --tokens >= 64 and --reps >= 1, got {tokens} and {reps}")
+    layers = 4 if quick else None
+    if quick:
+        tokens, reps = 256, 1
+    start = time.perf_counter()
+
+    def save(rows):
+        if verbose:
+            r = rows[-1]
+            click.echo(f"[{time.perf_counter() - start:6.1f}s] {r.kind} {r.layout} p{r.page_size} {r.direction} "
+                       f"{r.host_slots} {r.backend}: {r.gbps} GB/s ({r.ratio}x) sms={r.sms}", err=True)
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump([asdict(r) for r in rows], f, indent=1)
+
+    rows = run_bench(tokens, reps, tuple(backends), kinds, page_sizes, layers, on_row=save)
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    click.echo(f"\n{dev}, {tokens} tokens per transfer; cells are GB/s and ratio to the contiguous limit")
+    click.echo(table(rows))
+    if json_path:
+        click.echo(f"wrote {len(rows)} rows to {json_path}")

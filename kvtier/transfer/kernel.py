@@ -1,0 +1,107 @@
+"""The ``kernel`` backend: Triton kernels that read and write host memory directly.
+
+Host pools are registered with the GPU (portable and mapped), so their
+address is valid on the device and a kernel moves the bytes over PCIe with
+no staging and no copy engine. The cost is SMs: a transfer occupies at most
+``max_blocks`` of them (the seed's ``block_quota``), one block per SM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Backend, TransferPart
+from .triton_kernels import copy_items, layer_ptr_table
+
+# Blocks a transfer may occupy when the caller names no quota. Measured on an
+# H200 (bench/NOTES_transfer.md): fewer blocks leave zero-copy loads short of
+# the PCIe limit, more steal SMs for no gain.
+DEFAULT_MAX_BLOCKS = 32
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    max_blocks: int = DEFAULT_MAX_BLOCKS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_blocks, int) or self.max_blocks <= 0:
+            raise ValueError(f"max_blocks must be a positive integer, got {self.max_blocks!r}")
+
+
+class PartTables:
+    """Per-part device pointer tables, built once and kept with the part alive."""
+
+    def __init__(self):
+        self._tables: dict[int, tuple[TransferPart, torch.Tensor]] = {}
+
+    def get(self, part: TransferPart, device: torch.device) -> torch.Tensor:
+        hit = self._tables.get(id(part))
+        if hit is None or hit[0] is not part:
+            hit = (part, layer_ptr_table(part.device_layers, device))
+            self._tables[id(part)] = hit
+        return hit[1]
+
+
+def on_device(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``idx`` as int64 on ``device``; a CPU tensor is copied (the copy belongs to the current stream)."""
+    idx = idx.to(torch.int64)
+    return idx if idx.device == device else idx.to(device, non_blocking=idx.is_pinned())
+
+
+def check_mapped(part: TransferPart) -> None:
+    if part.host_raw.device.type != "cpu" or not part.host_raw.is_pinned():
+        raise ValueError(
+            f"component {part.name!r}: zero-copy kernels need host memory registered with CUDA "
+            "(build the host pool on a machine with CUDA, pin_memory=None or True); "
+            "use io_backend='direct' otherwise"
+        )
+
+
+class KernelBackend(Backend):
+    name = "kernel"
+
+    def __init__(self, config: KernelConfig = KernelConfig()):
+        self.config = config
+        self.tables = PartTables()
+        self.last_blocks = 0
+
+    def _blocks(self, block_quota: int | None) -> int:
+        if block_quota is None:
+            return self.config.max_blocks
+        if not isinstance(block_quota, int) or block_quota <= 0:
+            raise ValueError(f"block_quota must be a positive integer, got {block_quota!r}")
+        return block_quota
+
+    def backup(self, parts, host_idx, dev_idx, block_quota=None):
+        self._run(parts, host_idx, dev_idx, None, self._blocks(block_quota))
+
+    def load(self, parts, host_idx, dev_idx, layer, block_quota=None):
+        self._run(parts, host_idx, dev_idx, layer, self._blocks(block_quota))
+
+    def _run(self, parts, host_idx, dev_idx, layer, blocks) -> None:
+        self.prepare(parts, host_idx, dev_idx, layer is None, blocks)(layer)
+
+    def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None):
+        """Checks and index copies done once; returns ``run(layer)`` (``layer=None`` for a backup)."""
+        for part in parts:
+            check_mapped(part)
+        blocks = self._blocks(block_quota)
+        device = parts[0].device_layers[0].device
+        h, d = on_device(host_idx, device), on_device(dev_idx, device)
+
+        def run(layer):
+            self.last_blocks = max(self.copy_part(part, h, d, layer, blocks) for part in parts)
+        return run
+
+    def copy_part(self, part: TransferPart, h: torch.Tensor, d: torch.Tensor, layer: int | None,
+                  blocks: int) -> int:
+        """One part, all layers (``layer=None``, device -> host) or one layer (host -> device)."""
+        ptrs = self.tables.get(part, d.device)
+        pl = part.host
+        if layer is None:
+            return copy_items(pl, part.host_raw, part.device_layers, ptrs, h, d, 0, h.numel(), 0,
+                              part.layer_num, True, blocks)
+        buf = part.host_raw[layer * pl.layer_stride:]
+        return copy_items(pl, buf, part.device_layers, ptrs, h, d, 0, h.numel(), layer, 1, False, blocks)

@@ -1,0 +1,167 @@
+"""One Triton kernel that copies KV items between device rows and any placement.
+
+The device side of a transfer part is per-layer ``(slots, item_bytes)`` rows,
+addressed through a table of layer pointers. The other side is a byte buffer
+addressed by a :class:`~kvtier.layouts.Placement` (the host pool itself, read
+and written zero-copy through its mapped address, or a device staging buffer
+laid out like a compact host pool). Every kind, layout and item size goes
+through this one kernel: it copies whole chunks as words of the widest size
+that every stride and base address allows (16-byte vectors when possible,
+single bytes in the worst case).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layouts import Placement
+
+# Bytes moved per tile. 32 KiB per tile keeps enough PCIe requests in flight
+# per SM for zero-copy reads (a host read costs ~1-2 us of latency).
+TILE_BYTES = 32 * 1024
+NUM_WARPS = 8
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+@triton.jit
+def _copy_items(
+    dev_ptrs, buf, buf_idx, dev_idx, item0, n_items, n_rows, n_tiles, layer0,
+    page, token, layer_stride, chunk, page_size, n_chunks, chunk_words, item_words,
+    TO_BUF: tl.constexpr, BUF_LINEAR: tl.constexpr, VEC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, COL_TILES: tl.constexpr, ONE_TILE: tl.constexpr,
+):
+    """Rows are (layer, item, chunk) triples; each is ``chunk_words`` words.
+
+    Item ``i`` (of ``item0 .. item0+n_items``) sits in device slot ``dev_idx[i]``
+    and in buffer slot ``buf_idx[i]`` (or ``i - item0`` when ``BUF_LINEAR``).
+    Every stride is in words of the pointers' element type.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if ONE_TILE:
+        _copy_tile(pid.to(tl.int64), dev_ptrs, buf, buf_idx, dev_idx, item0, n_items, n_rows, layer0,
+                   page, token, layer_stride, chunk, page_size, n_chunks, chunk_words, item_words,
+                   TO_BUF, BUF_LINEAR, VEC, BLOCK_R, BLOCK_W, COL_TILES)
+    else:
+        # Grid-stride over tiles; ``n_tiles`` is tiles per program, the tail is masked.
+        for k in range(0, n_tiles):
+            _copy_tile(pid.to(tl.int64) + k * nprog, dev_ptrs, buf, buf_idx, dev_idx, item0, n_items,
+                       n_rows, layer0, page, token, layer_stride, chunk, page_size, n_chunks,
+                       chunk_words, item_words, TO_BUF, BUF_LINEAR, VEC, BLOCK_R, BLOCK_W, COL_TILES)
+
+
+@triton.jit
+def _copy_tile(
+    tile, dev_ptrs, buf, buf_idx, dev_idx, item0, n_items, n_rows, layer0,
+    page, token, layer_stride, chunk, page_size, n_chunks, chunk_words, item_words,
+    TO_BUF: tl.constexpr, BUF_LINEAR: tl.constexpr, VEC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, COL_TILES: tl.constexpr,
+):
+    """One tile of ``BLOCK_R`` rows; rows past ``n_rows`` are masked off."""
+    rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    c = rows % n_chunks
+    rest = rows // n_chunks
+    i = rest % n_items
+    lyr = rest // n_items
+    d_slot = tl.load(dev_idx + item0 + i, mask=rmask, other=0)
+    if BUF_LINEAR:
+        b_slot = i
+    else:
+        b_slot = tl.load(buf_idx + item0 + i, mask=rmask, other=0)
+    b_off = ((b_slot // page_size) * page + (b_slot % page_size) * token
+             + lyr * layer_stride + c * chunk)
+    d_base = tl.load(dev_ptrs + layer0 + lyr, mask=rmask, other=0)
+    d_ptr = d_base.to(tl.pointer_type(buf.dtype.element_ty), bitcast=True)
+    d_off = d_slot * item_words + c * chunk_words
+    b_off = tl.multiple_of(b_off, VEC)
+    d_off = tl.multiple_of(d_off, VEC)
+    for w0 in tl.static_range(0, COL_TILES * BLOCK_W, BLOCK_W):
+        cols = w0 + tl.arange(0, BLOCK_W)
+        cols = tl.max_contiguous(tl.multiple_of(cols, BLOCK_W), BLOCK_W)
+        # Compare whole vectors so the mask is constant across each 16-byte access.
+        m = rmask[:, None] & ((cols // VEC) < (chunk_words // VEC))[None, :]
+        bp = buf + b_off[:, None] + cols[None, :]
+        dp = d_ptr[:, None] + d_off[:, None] + cols[None, :]
+        if TO_BUF:
+            tl.store(bp, tl.load(dp, mask=m), mask=m)
+        else:
+            tl.store(dp, tl.load(bp, mask=m), mask=m)
+
+
+@dataclass(frozen=True)
+class WordPlan:
+    """The word size a copy between one placement and device rows can use."""
+
+    word: int      # bytes per element the kernel moves
+    vec: int       # words per 16-byte vector that every offset is a multiple of
+
+    @staticmethod
+    def for_copy(pl: Placement, buf: torch.Tensor, dev_layers) -> "WordPlan":
+        g = 0
+        for v in (pl.page, pl.token, pl.layer_stride, pl.chunk, pl.chunk_bytes, pl.item_bytes,
+                  buf.data_ptr(), *(t.data_ptr() for t in dev_layers)):
+            g = math.gcd(g, int(v))
+        g = g or 16
+        word = next(w for w in (8, 4, 2, 1) if g % w == 0)
+        vec = 16 // word if g % 16 == 0 else 1
+        return WordPlan(word, vec)
+
+
+def layer_ptr_table(dev_layers, device) -> torch.Tensor:
+    """Addresses of the per-layer device buffers, as int64 on ``device``."""
+    return torch.tensor([t.data_ptr() for t in dev_layers], dtype=torch.int64, device=device)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def copy_items(pl: Placement, buf: torch.Tensor, dev_layers, dev_ptrs: torch.Tensor,
+               buf_idx: torch.Tensor | None, dev_idx: torch.Tensor, item0: int, n_items: int,
+               layer0: int, n_layers: int, to_buf: bool, max_blocks: int) -> int:
+    """Launch the copy on the current stream; returns the number of blocks (SMs) used.
+
+    ``buf`` is the 1-D uint8 buffer ``pl`` addresses (its first byte is offset
+    0); ``buf_idx=None`` puts item ``i`` at buffer slot ``i - item0``. Shapes
+    and alignment are checked here, before anything runs.
+    """
+    if buf.dim() != 1 or buf.dtype != torch.uint8:
+        raise ValueError(f"buf must be a 1-D uint8 tensor, got {tuple(buf.shape)} {buf.dtype}")
+    if dev_idx.dtype != torch.int64 or (buf_idx is not None and buf_idx.dtype != torch.int64):
+        raise ValueError("index tensors must be int64")
+    if n_items <= 0 or n_layers <= 0:
+        return 0
+    wp = WordPlan.for_copy(pl, buf, dev_layers)
+    w = wp.word
+    words = buf.numel() // w
+    bview = buf[: words * w].view(_WORD_DTYPES[w])
+    chunk_words = pl.chunk_bytes // w
+    block_w = min(triton.next_power_of_2(chunk_words), max(TILE_BYTES // w // 4, 16))
+    block_r = max(1, min(TILE_BYTES // w // block_w, 256))
+    n_rows = n_layers * n_items * pl.n_chunks
+    n_tiles = triton.cdiv(n_rows, block_r)
+    # The interpreter cannot loop over a runtime bound (numpy >= 2.4 refuses
+    # int() of its 1-element scalars), so there every program does one tile.
+    one_tile = interpreting()
+    grid = n_tiles if one_tile else max(1, min(n_tiles, max_blocks))
+    _copy_items[(grid,)](
+        dev_ptrs, bview, dev_idx if buf_idx is None else buf_idx, dev_idx, item0, n_items, n_rows,
+        triton.cdiv(n_tiles, grid), layer0, pl.page // w, pl.token // w, pl.layer_stride // w, pl.chunk // w, pl.page_size,
+        pl.n_chunks, chunk_words, pl.item_bytes // w,
+        TO_BUF=to_buf, BUF_LINEAR=buf_idx is None, VEC=wp.vec, BLOCK_R=block_r, BLOCK_W=block_w,
+        COL_TILES=triton.cdiv(chunk_words, block_w), ONE_TILE=one_tile, num_warps=NUM_WARPS,
+    )
+    return grid

@@ -1,0 +1,66 @@
+"""The transfer engine's CPU path and the transfer benchmark's smoke run (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvtier.cli import main
+from kvtier.device_pool import pool_from_spec
+from kvtier.host_pool import host_pool_for
+from kvtier.spec import KVSpec
+from kvtier.transfer import TransferEngine
+
+FIELDS = {"kind", "layout", "page_size", "direction", "backend", "host_slots", "gbps", "limit_gbps", "ratio", "sms"}
+
+
+@pytest.fixture(autouse=True)
+def _small_reserve(monkeypatch):
+    monkeypatch.setenv("KVTIER_HOST_RESERVE_GB", "0.5")
+
+
+def test_engine_round_trip_and_handles():
+    spec = KVSpec("mha", 2, torch.bfloat16, head_num=3, head_dim=8)
+    dev = pool_from_spec(spec, 64, 4, "cpu")
+    for st in dev.stacks.values():
+        st.view(torch.uint8).random_(0, 256)
+    host = host_pool_for(dev, "page_head", host_size_tokens=64)
+    eng = TransferEngine(host)
+    h, d = torch.arange(8, 16), torch.arange(32, 40)
+    before = {k: v.clone() for k, v in dev.stacks.items()}
+    hd = eng.backup(h, d)
+    assert hd.done() and hd.nbytes == 8 * spec.bytes_per_token
+    ld = eng.load(h, torch.arange(0, 8))
+    assert ld.done() and all(ld.layer_done(i) for i in range(2))
+    ld.wait_layer(1)  # no-op on the CPU
+    hd.wait()
+    for k, st in dev.stacks.items():
+        assert torch.equal(st[:, :8].view(torch.uint8), before[k][:, 32:40].view(torch.uint8))
+    assert (eng.stats.backups, eng.stats.loads) == (1, 1)
+    assert eng.stats.load_bytes == eng.stats.backup_bytes == hd.nbytes
+
+
+def test_engine_rejects_bad_quota_and_gpu_backends_on_cpu():
+    spec = KVSpec("mla", 2, torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8)
+    dev = pool_from_spec(spec, 32, 1, "cpu")
+    host = host_pool_for(dev, "layer_first", host_size_tokens=32)
+    with pytest.raises(ValueError, match="block_quota"):
+        TransferEngine(host, block_quota=-1)
+    with pytest.raises(ValueError, match="direct"):
+        TransferEngine(host, "dma")
+
+
+def test_bench_transfer_quick_writes_rows(tmp_path):
+    out = tmp_path / "rows.json"
+    res = CliRunner().invoke(main, ["bench", "transfer", "--quick", "--kind", "mla", "--page-size", "16",
+                                    "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 * 2 * 3  # layouts x host slots x directions, direct only on the CPU
+    assert all(set(r) == FIELDS and r["gbps"] > 0 and r["limit_gbps"] > 0 for r in rows)
+    assert np.allclose([r["ratio"] for r in rows], [r["gbps"] / r["limit_gbps"] for r in rows], rtol=0.01, atol=1e-3)
+    assert "ratio to the contiguous limit" in res.output
