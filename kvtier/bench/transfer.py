@@ -80,12 +80,36 @@ def contiguous_limit(nbytes: int, clock: Clock, reps: int) -> dict[str, float]:
         a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
         a.fill_(7)
         t = clock.median(lambda: b.copy_(a), reps, 1)
-        return {"backup": nbytes / t / 1e9, "load": nbytes / t / 1e9}
+        return {"backup": nbytes / t / 1e9, "load": nbytes / t / 1e9, "duplex": nbytes / t / 1e9}
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     d2h = clock.median(lambda: host.copy_(dev, non_blocking=True), reps, 1)
     h2d = clock.median(lambda: dev.copy_(host, non_blocking=True), reps, 1)
-    return {"backup": nbytes / d2h / 1e9, "load": nbytes / h2d / 1e9}
+    # Both directions at once on two streams: what the link gives full-duplex.
+    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+
+    def both():
+        cur = torch.cuda.current_stream()
+        for s in streams:
+            s.wait_stream(cur)
+        with torch.cuda.stream(streams[0]):
+            host.copy_(dev, non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            dev2.copy_(host2, non_blocking=True)
+        for s in streams:
+            cur.wait_stream(s)
+    duplex = clock.median(both, reps, 1)
+    return {"backup": nbytes / d2h / 1e9, "load": nbytes / h2d / 1e9, "duplex": 2 * nbytes / duplex / 1e9}
+
+
+def parse_backend(spec: str) -> tuple[str, int | None]:
+    """``kernel@64`` -> ("kernel", 64): a backend with its own block quota."""
+    name, _, quota = spec.partition("@")
+    if quota and not quota.isdigit():
+        raise click.BadParameter(f"backend {spec!r}: the part after @ must be a block count", param_hint="--backend")
+    return name, int(quota) if quota else None
 
 
 def slots(pages: int, page_size: int, n_pages: int, rng, scattered: bool, host_pool=None) -> torch.Tensor:
@@ -164,13 +188,18 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
         if limits is None:
             limits = contiguous_limit(case.nbytes, clock, reps)
             limits["both"] = (limits["backup"] + limits["load"]) / 2
+            for direction, key in (("backup", "backup"), ("load", "load"), ("both", "duplex")):
+                rows.append(Row("all", "contiguous", 0, direction, "contiguous", "contiguous",
+                                round(limits[key], 2), round(limits[direction], 2),
+                                round(limits[key] / limits[direction], 3), 0))
         for scattered in (False, True):
             idx = case.indices(scattered, rng)
             for backend in backends:
-                if backend == "direct" and scattered and ps == 1:
+                if cuda and backend == "direct" and ps == 1:
                     bar.update(len(DIRECTIONS))  # one copy per slot and layer: minutes, and says nothing new
                     continue
-                engine = TransferEngine(case.host, backend)
+                name, quota = parse_backend(backend)
+                engine = TransferEngine(case.host, name, block_quota=quota)
                 for direction in DIRECTIONS:
                     bar.set_postfix_str(f"{kind} {layout} p{ps} {direction} {backend}")
                     gbps = measure(case, engine, direction, idx, clock, reps)

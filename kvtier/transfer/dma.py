@@ -121,6 +121,7 @@ class DMABackend(Backend):
         d = on_device(dev_idx, device)
         h = on_device(host_idx, device) if any(p is None for p in plans) else None
         blocks = self.fallback._blocks(block_quota)
+        joined = [False]  # a load's copy stream joins the caller's stream once per transfer
 
         def run(layer):
             used = 0
@@ -128,12 +129,21 @@ class DMABackend(Backend):
                 if p is None:
                     used = max(used, self.fallback.copy_part(part, h, d, layer, blocks))
                 else:
-                    self.run_part(part, p, d, layer)
+                    self.run_part(part, p, d, layer, join=not joined[0])
+                    joined[0] = layer is not None
                     used = max(used, self.config.gather_blocks)
             self.last_blocks = used
         return run
 
-    def run_part(self, part: TransferPart, p: DMAPlan, d: torch.Tensor, layer: int | None) -> None:
+    def run_part(self, part: TransferPart, p: DMAPlan, d: torch.Tensor, layer: int | None, join: bool = True) -> None:
+        """Queue one part. Backup: gather on the side stream, copy on the caller's.
+
+        Load: copies on the side stream, scatters on the caller's, so the copy
+        engine runs ahead into free staging buffers while earlier chunks (and
+        layers) are scattered; the side stream joins the caller's stream only
+        on the first layer of a transfer (``join``), which carries the
+        transfer's ordering after compute and after conflicting transfers.
+        """
         to_host = layer is None
         ring = self.ring(d.device, to_host)
         cur = torch.cuda.current_stream(d.device)
@@ -141,8 +151,10 @@ class DMABackend(Backend):
         host_base = part.host_raw.data_ptr() + (0 if to_host else layer * part.host.layer_stride)
         n_layers = part.layer_num if to_host else 1
         with ring.lock:
-            ring.side.wait_stream(cur)
-            d.record_stream(ring.side)
+            if to_host or join:
+                ring.side.wait_stream(cur)
+            if to_host:
+                d.record_stream(ring.side)
             for i in range(p.n_chunks):
                 j0, m, copies = p.chunk(i)
                 slot = ring.take(p.staging_bytes)
@@ -152,12 +164,13 @@ class DMABackend(Backend):
                     _issue(copies, host_base, slot.buf.data_ptr(), to_host, cur.cuda_stream)
                     slot.free.record(cur)
                 else:
-                    cur.wait_event(slot.free)
-                    _issue(copies, host_base, slot.buf.data_ptr(), to_host, cur.cuda_stream)
-                    slot.ready.record(cur)
-                    self._scatter(ring, slot, p, part, ptrs, d, j0, m, layer)
-            if not to_host:
-                cur.wait_stream(ring.side)
+                    ring.side.wait_event(slot.free)
+                    _issue(copies, host_base, slot.buf.data_ptr(), to_host, ring.side.cuda_stream)
+                    slot.ready.record(ring.side)
+                    cur.wait_event(slot.ready)
+                    copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, layer, 1,
+                               False, self.config.gather_blocks)
+                    slot.free.record(cur)
 
     def _gather(self, ring, slot, p, part, ptrs, d, j0, m, n_layers) -> None:
         side = ring.side
@@ -166,14 +179,6 @@ class DMABackend(Backend):
             copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, 0, n_layers,
                        True, self.config.gather_blocks)
         slot.ready.record(side)
-
-    def _scatter(self, ring, slot, p, part, ptrs, d, j0, m, layer) -> None:
-        side = ring.side
-        side.wait_event(slot.ready)
-        with torch.cuda.stream(side):
-            copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, layer, 1,
-                       False, self.config.gather_blocks)
-        slot.free.record(side)
 
 
 # cudaMemcpy2D refuses pitches past the device's memPitch (2^31 - 1 on current GPUs).
