@@ -55,4 +55,4 @@ def test_bench_ttft_runs_on_cpu(tmp_path):
     for r in doc["rows"]:
         assert r["first_tokens_equal"] == 1
         assert r["recompute_ttft_s"] > 0 and r["host_hit_ttft_s"] > 0 and r["copy_limit_gbps"] > 0
-    assert doc["cache_metrics"]["hit_tokens_total.host"] >= 128 + 256
+    assert doc["cache_metrics"]["direct"]["hit_tokens_total.host"] >= 128 + 256

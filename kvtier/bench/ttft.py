@@ -86,36 +86,46 @@ def prefill_flops(cfg, n_tokens: int) -> float:
     return linear + attention
 
 
-def measure_length(none: Engine, tiers: Engine, L: int, new: int, repeats: int, rng: random.Random) -> dict:
-    vocab = none.model.config.vocab_size
-    prefix = [rng.randrange(vocab) for _ in range(L)]
-    suffixes = [[rng.randrange(vocab) for _ in range(new)] for _ in range(2 * repeats)]
-    cache = tiers.kv.cache
-    recompute, host, device, same = [], [], [], []
-    # Put the prefix in both tiers, then off the device.
-    serve(tiers, prefix)
-    for suffix, other in zip(suffixes[:repeats], suffixes[repeats:]):
-        cache.evict_device(tiers.kv.capacity)  # waits for the write-through backup, then frees the device copy
-        r = serve(none, prefix + suffix)
-        h = serve(tiers, prefix + suffix)
-        d = serve(tiers, prefix + other)
+def recompute_ttfts(none: Engine, prompts: list[list[int]]) -> tuple[list[float], list[list[int]]]:
+    seqs = [serve(none, p) for p in prompts]
+    return [s.ttft for s in seqs], [s.output_ids for s in seqs]
+
+
+def hit_ttfts(tiers: Engine, prefix: list[int], prompts: list[list[int]], others: list[list[int]]) -> dict:
+    """Host-hit TTFT of each prompt (prefix evicted to the host first), then a device hit with another suffix."""
+    L = len(prefix)
+    serve(tiers, prefix)  # the prefix lands in both tiers (write-through)
+    host, device, outputs = [], [], []
+    for prompt, other in zip(prompts, others):
+        tiers.kv.cache.evict_device(tiers.kv.capacity)  # waits for the backup, then frees the device copy
+        h = serve(tiers, prompt)
+        d = serve(tiers, other)
         if h.reused_host != L or d.reused_device != L:
             raise RuntimeError(f"expected a {L}-token host hit and device hit, got {h.reused_host} and "
                                f"{d.reused_device}: the prefix did not stay in the tiers (pools too small?)")
-        recompute.append(r.ttft)
         host.append(h.ttft)
         device.append(d.ttft)
-        same.append(r.output_ids == h.output_ids)
+        outputs.append(h.output_ids)
+    return {"host": host, "device": device, "outputs": outputs}
+
+
+def _row(mcfg, L: int, new: int, limit: float, backend: str, recompute: list[float], hits: dict, same: int) -> dict:
+    kv_bytes = L * mcfg.kv_spec().bytes_per_token
+    r, h, d = (statistics.median(x) for x in (recompute, hits["host"], hits["device"]))
+    bound = 1.2 * kv_bytes / (limit * 1e9) + d
     return {
-        "recompute_ttft_s": statistics.median(recompute),
-        "host_hit_ttft_s": statistics.median(host),
-        "device_hit_ttft_s": statistics.median(device),
-        "first_tokens_equal": sum(same),
-        "samples": {"recompute": recompute, "host_hit": host, "device_hit": device},
+        "context_tokens": L, "new_tokens": new, "io_backend": backend, "kv_bytes": kv_bytes,
+        "copy_limit_gbps": limit, "recompute_ttft_s": r, "host_hit_ttft_s": h, "device_hit_ttft_s": d,
+        "speedup": r / h, "bound_s": bound,
+        "load_gbps_effective": kv_bytes / max(h - d, 1e-9) / 1e9,
+        "prefill_tflops": prefill_flops(mcfg, L + new) / r / 1e12,
+        "first_tokens_equal": same,
+        "pass_10x": r >= 10 * h, "pass_bound": h <= bound,
+        "samples": {"recompute": recompute, "host_hit": hits["host"], "device_hit": hits["device"]},
     }
 
 
-def run(model_name: str, lengths: list[int], new: int, repeats: int, device: str, io_backend: str | None,
+def run(model_name: str, lengths: list[int], new: int, repeats: int, device: str, io_backends: list[str | None],
         layout: str, page_size: int, seed: int, echo=click.echo) -> dict:
     dev = torch.device(device)
     mcfg = MODELS[model_name]()
@@ -123,54 +133,48 @@ def run(model_name: str, lengths: list[int], new: int, repeats: int, device: str
         mcfg = mcfg.with_(dtype=torch.float32)
     tokens = (max(lengths) + 2 * new) // page_size * page_size + 2 * page_size
     base = dict(device_tokens=tokens, host_tokens=tokens, page_size=page_size, layout=layout,
-                io_backend=io_backend, device=device, max_batch_tokens=tokens)
+                device=device, max_batch_tokens=tokens)
     t0 = time.perf_counter()
     model = make_model(mcfg, EngineConfig(**base), seed)
     none = Engine(model, EngineConfig(prefix_cache="none", **base))
-    tiers = Engine(model, EngineConfig(prefix_cache="tiers", **base))
+    tiers = {b: Engine(model, EngineConfig(prefix_cache="tiers", io_backend=b, **base)) for b in io_backends}
+    names = {b: e.kv.cache.engine.io_backend for b, e in tiers.items()}
     echo(f"model {model_name} ({mcfg.kv_spec().describe()}) on {device}, built in {time.perf_counter() - t0:.1f} s; "
-         f"io_backend={tiers.kv.cache.engine.io_backend}")
+         f"io backends {list(names.values())}")
     rng = random.Random(seed)
     serve(none, [rng.randrange(mcfg.vocab_size) for _ in range(min(lengths))])  # warm-up: kernels, allocator
-    serve(tiers, [rng.randrange(mcfg.vocab_size) for _ in range(new)])
+    for e in tiers.values():
+        serve(e, [rng.randrange(mcfg.vocab_size) for _ in range(new)])
     rows = []
     for L in lengths:
-        kv_bytes = L * mcfg.kv_spec().bytes_per_token
-        limit = copy_limit_gbps(kv_bytes, dev)
-        m = measure_length(none, tiers, L, new, repeats, rng)
-        bound = 1.2 * kv_bytes / (limit * 1e9) + m["device_hit_ttft_s"]
-        row = {
-            "context_tokens": L, "new_tokens": new, "kv_bytes": kv_bytes, "copy_limit_gbps": limit,
-            **{k: v for k, v in m.items() if k != "samples"},
-            "speedup": m["recompute_ttft_s"] / m["host_hit_ttft_s"],
-            "load_gbps_effective": kv_bytes / max(m["host_hit_ttft_s"] - m["device_hit_ttft_s"], 1e-9) / 1e9,
-            "bound_s": bound,
-            "prefill_tflops": prefill_flops(mcfg, L + new) / m["recompute_ttft_s"] / 1e12,
-            "pass_10x": m["recompute_ttft_s"] >= 10 * m["host_hit_ttft_s"],
-            "pass_bound": m["host_hit_ttft_s"] <= bound,
-            "samples": m["samples"],
-        }
-        rows.append(row)
-        echo(_line(row))
+        limit = copy_limit_gbps(L * mcfg.kv_spec().bytes_per_token, dev)
+        prefix = [rng.randrange(mcfg.vocab_size) for _ in range(L)]
+        prompts = [prefix + [rng.randrange(mcfg.vocab_size) for _ in range(new)] for _ in range(2 * repeats)]
+        recompute, ref_outputs = recompute_ttfts(none, prompts[:repeats])
+        for b, e in tiers.items():
+            hits = hit_ttfts(e, prefix, prompts[:repeats], prompts[repeats:])
+            same = sum(a == c for a, c in zip(ref_outputs, hits["outputs"]))
+            rows.append(_row(mcfg, L, new, limit, names[b], recompute, hits, same))
+            echo(_line(rows[-1]))
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    return {"model": model_name, "device": device_name, "io_backend": tiers.kv.cache.engine.io_backend,
-            "layout": layout, "page_size": page_size, "repeats": repeats, "torch": torch.__version__,
-            "rows": rows, "cache_metrics": tiers.kv.metrics()}
+    return {"model": model_name, "device": device_name, "layout": layout, "page_size": page_size,
+            "repeats": repeats, "torch": torch.__version__, "rows": rows,
+            "cache_metrics": {names[b]: e.kv.metrics() for b, e in tiers.items()}}
 
 
 def _line(r: dict) -> str:
-    return (f"{r['context_tokens']:>6} ctx + {r['new_tokens']} new: recompute {r['recompute_ttft_s'] * 1e3:8.1f} ms "
+    return (f"{r['context_tokens']:>6} ctx + {r['new_tokens']} new [{r['io_backend']}]: recompute {r['recompute_ttft_s'] * 1e3:8.1f} ms "
             f"({r['prefill_tflops']:.3g} TFLOP/s) | host hit {r['host_hit_ttft_s'] * 1e3:7.1f} ms "
             f"| device hit {r['device_hit_ttft_s'] * 1e3:6.1f} ms | {r['speedup']:5.1f}x "
             f"| bound {r['bound_s'] * 1e3:6.1f} ms (KV {r['kv_bytes'] / 1e9:.3g} GB, limit {r['copy_limit_gbps']:.1f} GB/s)")
 
 
 def table(doc: dict) -> str:
-    head = "| context | new | recompute TTFT | prefill TFLOP/s | host-hit TTFT | device-hit TTFT | speedup | bound | copy limit | 10x | bound ok |"
+    head = "| context | new | io backend | recompute TTFT | prefill TFLOP/s | host-hit TTFT | device-hit TTFT | speedup | bound | copy limit | 10x | bound ok |"
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in doc["rows"]:
         lines.append(
-            f"| {r['context_tokens']:,} | {r['new_tokens']} | {r['recompute_ttft_s'] * 1e3:.1f} ms | "
+            f"| {r['context_tokens']:,} | {r['new_tokens']} | {r['io_backend']} | {r['recompute_ttft_s'] * 1e3:.1f} ms | "
             f"{r['prefill_tflops']:.3g} | {r['host_hit_ttft_s'] * 1e3:.1f} ms | {r['device_hit_ttft_s'] * 1e3:.1f} ms | "
             f"{r['speedup']:.1f}x | {r['bound_s'] * 1e3:.1f} ms | {r['copy_limit_gbps']:.1f} GB/s | "
             f"{'yes' if r['pass_10x'] else 'NO'} | {'yes' if r['pass_bound'] else 'NO'} |")
@@ -184,12 +188,13 @@ def table(doc: dict) -> str:
 @click.option("--new-tokens", default=128, show_default=True, help="fresh tokens after the prefix")
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--device", default=None, help="cuda or cpu (default: cuda if available)")
-@click.option("--io-backend", default=None, help="direct | kernel | dma | auto (default: the transfer engine's)")
+@click.option("--io-backends", default="default", show_default=True,
+              help="comma-separated: default (the transfer engine's choice), direct, kernel, dma, auto")
 @click.option("--layout", default="layer_first", show_default=True)
 @click.option("--page-size", default=64, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def ttft(model_name, contexts, new_tokens, repeats, device, io_backend, layout, page_size, seed, json_path):
+def ttft(model_name, contexts, new_tokens, repeats, device, io_backends, layout, page_size, seed, json_path):
     """TTFT of a host-tier prefix hit against recomputing the prefix (and a device hit)."""
     try:
         lengths = [int(x) for x in contexts.split(",") if x.strip()]
@@ -201,7 +206,8 @@ def ttft(model_name, contexts, new_tokens, repeats, device, io_backend, layout, 
         raise click.BadParameter(f"contexts must be multiples of page_size={page_size} (whole pages are cached)",
                                  param_hint="--contexts")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    doc = run(model_name, lengths, new_tokens, repeats, device, io_backend, layout, page_size, seed)
+    backends = [None if b.strip() == "default" else b.strip() for b in io_backends.split(",") if b.strip()]
+    doc = run(model_name, lengths, new_tokens, repeats, device, backends, layout, page_size, seed)
     click.echo("")
     click.echo(table(doc))
     if json_path:
