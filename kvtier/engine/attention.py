@@ -122,9 +122,10 @@ def sdpa_attention() -> AttendFn:
 
     def attend(q, k, v, q_start, scale):
         n_heads = q.shape[1]
-        qt = q.transpose(0, 1)
-        kt = _expand_heads(k, n_heads).transpose(0, 1)
-        vt = _expand_heads(v, n_heads).transpose(0, 1)
+        # (1, heads, tokens, dim): the fused kernels take 4-D inputs only (3-D falls back to the math path).
+        qt = q.transpose(0, 1)[None]
+        kt = _expand_heads(k, n_heads).transpose(0, 1)[None]
+        vt = _expand_heads(v, n_heads).transpose(0, 1)[None]
         if q_start == 0:
             out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
         else:
@@ -132,7 +133,7 @@ def sdpa_attention() -> AttendFn:
             if mask is None:
                 mask = causal_mask(q.shape[0], q_start, q.device)
             out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
     return attend
 
