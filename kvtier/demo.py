@@ -104,10 +104,10 @@ def compare_outputs(outputs: dict) -> tuple[bool, str]:
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), default=None,
               help="local Hugging Face-format directory (config.json + safetensors) instead of random weights")
 @click.option("--clients", default=8, show_default=True)
-@click.option("--rounds", default=8, show_default=True)
+@click.option("--rounds", default=10, show_default=True)
 @click.option("--system-tokens", default=384, show_default=True)
-@click.option("--user-tokens", default=96, show_default=True)
-@click.option("--output-tokens", default=24, show_default=True)
+@click.option("--user-tokens", default=128, show_default=True)
+@click.option("--output-tokens", default=32, show_default=True)
 @click.option("--device-tokens", default=4096, show_default=True, help="device pool size (token slots)")
 @click.option("--host-tokens", default=32768, show_default=True, help="host pool size (token slots)")
 @click.option("--page-size", default=16, show_default=True)
