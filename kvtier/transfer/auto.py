@@ -1,12 +1,14 @@
-"""The ``auto`` backend: per transfer part, the backend a measured model says is faster.
+"""The ``auto`` backend: per transfer, kernel or DMA, whichever was measured faster.
 
-The model is calibrated once per device and process, on first use, by
-timing the real copy paths on scratch buffers (about a second, most of it
-Triton compiling): the copy engine's bandwidth for rows of a few widths and
-its cost per queued copy, and the zero-copy kernel's bandwidth for chunks of
-the same widths, each in both directions. A DMA plan then costs
-``copies x per_copy + bytes / dma_bw(narrowest row)``, a kernel transfer
-``bytes / kernel_bw(chunk width)``; the cheaper one runs.
+Choice is online (:mod:`.online`): each transfer shape tries both backends
+on real transfers, timed by device events, and then keeps the faster. The
+first try follows a prior: a cost model calibrated once per device and
+process, on first use, by timing the real copy paths on scratch buffers
+(about a second, most of it Triton compiling): the copy engine's bandwidth
+for rows of a few widths and its cost per queued copy, and the zero-copy
+kernel's bandwidth for chunks of the same widths, each in both directions.
+A DMA plan costs ``copies x per_copy + bytes / dma_bw(narrowest row)``, a
+kernel transfer ``bytes / kernel_bw(chunk width)``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .cudart import memcpy2d
 from .dma import DMABackend
 from .dma_plan import DMAPlan
 from .kernel import KernelBackend, check_mapped
+from .online import OnlineChooser, PendingTimings, shape_key
 from .triton_kernels import copy_items, layer_ptr_table
 
 WIDTHS = (256, 1024, 4096, 1 << 20)
@@ -111,11 +114,13 @@ def _kernel_probe(host, dev, w, pitch, to_host, blocks):
 class AutoBackend(Backend):
     name = "auto"
 
-    def __init__(self, kernel: KernelBackend, dma: DMABackend):
+    def __init__(self, kernel: KernelBackend, dma: DMABackend, explore: int = 1):
         self.kernel = kernel
         self.dma = dma
         self._models: dict[int, CostModel] = {}
         self._lock = threading.Lock()
+        self.chooser = OnlineChooser(explore)
+        self.timings = PendingTimings()
         self.last_choice: list[str] = []
         self.last_blocks = 0
 
@@ -125,16 +130,10 @@ class AutoBackend(Backend):
                 self._models[device.index] = calibrate(device, self.kernel.config.max_blocks)
             return self._models[device.index]
 
-    def choose(self, part: TransferPart, host_np: np.ndarray, to_host: bool) -> DMAPlan | None:
-        """The DMA plan if DMA is predicted faster for this part, else None (kernel)."""
-        p = self.dma.plan_part(part, host_np, to_host)
-        if p is None:
-            return None
+    def dma_predicted_faster(self, part: TransferPart, p: DMAPlan, n_slots: int, to_host: bool) -> bool:
         model = self.model(part.device_layers[0].device)
-        nbytes = host_np.size * part.item_bytes * (part.layer_num if to_host else 1)
-        if model.dma_seconds(p, nbytes, to_host) <= model.kernel_seconds(part.host, nbytes, to_host):
-            return p
-        return None
+        nbytes = n_slots * part.item_bytes * (part.layer_num if to_host else 1)
+        return model.dma_seconds(p, nbytes, to_host) <= model.kernel_seconds(part.host, nbytes, to_host)
 
     def backup(self, parts, host_idx, dev_idx, block_quota=None):
         self.prepare(parts, host_idx, dev_idx, True, block_quota)(None)
@@ -143,15 +142,41 @@ class AutoBackend(Backend):
         self.prepare(parts, host_idx, dev_idx, False)(layer)
 
     def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None):
-        """Choices made once per part; returns ``run(layer)`` (``layer=None`` for a backup)."""
+        """Choose kernel or DMA for this transfer from measured times; returns ``run(layer)``.
+
+        Each call of ``run`` is timed with device events; the time from the
+        first call's start to the last call's end, over the bytes moved,
+        becomes one sample for this transfer's shape.
+        """
         for part in parts:
             check_mapped(part)
         host_np = host_idx.to("cpu").numpy()
-        plans = [self.choose(p, host_np, to_host) for p in parts]
+        dma_plans = [self.dma.plan_part(p, host_np, to_host) for p in parts]
+        per_run = sum(host_np.size * p.item_bytes * (p.layer_num if to_host else 1) for p in parts)
+        key = shape_key(to_host, parts, host_np, per_run)
+        candidates = ["kernel"]
+        if any(p is not None for p in dma_plans):
+            prior_dma = any(p is not None and self.dma_predicted_faster(part, p, host_np.size, to_host)
+                            for part, p in zip(parts, dma_plans))
+            candidates = ["dma", "kernel"] if prior_dma else ["kernel", "dma"]
+        self.timings.harvest(self.chooser)
+        choice = self.chooser.pick(key, candidates)
+        plans = dma_plans if choice == "dma" else [None] * len(parts)
         self.last_choice = ["kernel" if p is None else "dma" for p in plans]
         inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota)
+        device = parts[0].device_layers[0].device
+        state = {"start": None, "bytes": 0}
 
         def run(layer):
+            stream = torch.cuda.current_stream(device)
+            if state["start"] is None:
+                state["start"] = torch.cuda.Event(enable_timing=True)
+                state["start"].record(stream)
             inner(layer)
+            state["bytes"] += per_run
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            if layer is None or layer == parts[0].layer_num - 1:
+                self.timings.add(key, choice, state["bytes"], state["start"], end)
             self.last_blocks = self.dma.last_blocks
         return run

@@ -1,0 +1,80 @@
+"""Choosing between backends from transfers actually timed.
+
+The calibrated model of :mod:`.auto` is a prior: it ranks the candidates the
+first time a transfer shape is seen. Each candidate is then tried on real
+transfers of that shape until it has ``explore`` timed samples, and from
+then on the one with the best median bandwidth runs. A shape is what
+changes the answer: direction, each part's geometry, the size class and
+how long the host runs are. Timings are device events read back only once
+they have completed, so choosing never blocks the host.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from statistics import median
+
+import numpy as np
+
+
+def shape_key(to_host: bool, parts, host_np: np.ndarray, nbytes: int) -> tuple:
+    """What makes one transfer behave like another for backend choice."""
+    geometry = tuple((p.host.page_size, p.host.token, p.host.chunk_bytes, p.host.n_chunks, p.item_bytes)
+                     for p in parts)
+    runs = 1 + int(np.count_nonzero(np.diff(host_np) != 1)) if host_np.size else 1
+    run_class = int(math.log2(max(host_np.size / runs, 1)))
+    return (to_host, geometry, int(math.log2(max(nbytes, 1))), run_class)
+
+
+@dataclass
+class OnlineChooser:
+    """Per shape: explore each candidate ``explore`` times, then keep the fastest."""
+
+    explore: int = 1
+    samples: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def pick(self, key, candidates: list[str]) -> str:
+        """``candidates`` in prior order (best predicted first)."""
+        with self._lock:
+            seen = self.samples[key]
+            for c in candidates:
+                if len(seen[c]) < self.explore:
+                    return c
+            return max(candidates, key=lambda c: median(seen[c]))
+
+    def record(self, key, candidate: str, gbps: float) -> None:
+        if gbps > 0 and math.isfinite(gbps):
+            with self._lock:
+                self.samples[key][candidate].append(gbps)
+
+    def best(self, key) -> str | None:
+        with self._lock:
+            seen = {c: median(v) for c, v in self.samples[key].items() if v}
+        return max(seen, key=seen.get) if seen else None
+
+
+class PendingTimings:
+    """Start/end events of transfers in flight; harvested when they complete."""
+
+    def __init__(self):
+        self._pending: list[tuple] = []
+        self._lock = threading.Lock()
+
+    def add(self, key, candidate: str, nbytes: int, start, end) -> None:
+        with self._lock:
+            self._pending.append((key, candidate, nbytes, start, end))
+
+    def harvest(self, chooser: OnlineChooser) -> None:
+        with self._lock:
+            done = [p for p in self._pending if p[4].query()]
+            self._pending = [p for p in self._pending if not p[4].query()]
+        for key, cand, nbytes, start, end in done:
+            ms = start.elapsed_time(end)
+            if ms > 0:
+                chooser.record(key, cand, nbytes / (ms / 1e3) / 1e9)
