@@ -137,8 +137,11 @@ class Case:
         ps, n_pages = self.dev.page_size, self.tokens // self.dev.page_size
         self.host.clear()
         h1 = slots(self.host.page_num, ps, n_pages, rng, scattered, self.host)
-        rest = np.setdiff1d(np.arange(self.host.page_num), (h1[::ps] // ps).numpy())
-        h2 = torch.from_numpy((rng.permutation(rest)[:n_pages, None] * ps + np.arange(ps)).reshape(-1))
+        if scattered:
+            rest = np.setdiff1d(np.arange(self.host.page_num), (h1[::ps] // ps).numpy())
+            h2 = torch.from_numpy((rng.permutation(rest)[:n_pages, None] * ps + np.arange(ps)).reshape(-1))
+        else:  # the second transfer of "both" gets the allocator's next run, as a cache would
+            h2 = self.host.alloc(n_pages * ps)
         d = slots(self.dev.size // ps, ps, 2 * n_pages, rng, True)
         return h1, d[: self.tokens], h2, d[self.tokens:]
 

@@ -29,6 +29,8 @@ from .online import OnlineChooser, PendingTimings, shape_key
 from .triton_kernels import copy_items, layer_ptr_table
 
 WIDTHS = (256, 1024, 4096, 1 << 20)
+# Candidates predicted more than this many times slower than the best are not tried.
+EXPLORE_WITHIN = 2.0
 CAL_BYTES = 32 << 20
 PITCH_ROWS = 32
 
@@ -130,10 +132,14 @@ class AutoBackend(Backend):
                 self._models[device.index] = calibrate(device, self.kernel.config.max_blocks)
             return self._models[device.index]
 
-    def dma_predicted_faster(self, part: TransferPart, p: DMAPlan, n_slots: int, to_host: bool) -> bool:
-        model = self.model(part.device_layers[0].device)
-        nbytes = n_slots * part.item_bytes * (part.layer_num if to_host else 1)
-        return model.dma_seconds(p, nbytes, to_host) <= model.kernel_seconds(part.host, nbytes, to_host)
+    def predicted_seconds(self, parts, plans, n_slots: int, to_host: bool) -> float:
+        """The prior's time for one ``run`` call with these plans (None = kernel for that part)."""
+        model = self.model(parts[0].device_layers[0].device)
+        total = 0.0
+        for part, p in zip(parts, plans):
+            nbytes = n_slots * part.item_bytes * (part.layer_num if to_host else 1)
+            total += model.kernel_seconds(part.host, nbytes, to_host) if p is None else model.dma_seconds(p, nbytes, to_host)
+        return total
 
     def backup(self, parts, host_idx, dev_idx, block_quota=None):
         self.prepare(parts, host_idx, dev_idx, True, block_quota)(None)
@@ -156,9 +162,15 @@ class AutoBackend(Backend):
         key = shape_key(to_host, parts, host_np, per_run)
         candidates = ["kernel"]
         if any(p is not None for p in dma_plans):
-            prior_dma = any(p is not None and self.dma_predicted_faster(part, p, host_np.size, to_host)
-                            for part, p in zip(parts, dma_plans))
-            candidates = ["dma", "kernel"] if prior_dma else ["kernel", "dma"]
+            predicted = {
+                "kernel": self.predicted_seconds(parts, [None] * len(parts), host_np.size, to_host),
+                "dma": self.predicted_seconds(parts, dma_plans, host_np.size, to_host),
+            }
+            # Never try a candidate the prior expects to be far slower: one such
+            # transfer (thousands of tiny copies) can stall for a second.
+            fastest = min(predicted.values())
+            candidates = sorted((c for c, t in predicted.items() if t <= EXPLORE_WITHIN * fastest),
+                                key=predicted.get)
         self.timings.harvest(self.chooser)
         choice = self.chooser.pick(key, candidates)
         plans = dma_plans if choice == "dma" else [None] * len(parts)
