@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from .validate import require_positive_int
 
 
 class AllocatorError(ValueError):
@@ -98,8 +99,7 @@ class PageAllocator:
     """
 
     def __init__(self, size: int, page_size: int):
-        if not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+        require_positive_int("page_size", page_size)
         if not isinstance(size, int) or size < page_size:
             raise ValueError(
                 f"size must be an integer of at least one page ({page_size} tokens), got {size!r}"

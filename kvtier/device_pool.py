@@ -13,6 +13,7 @@ import torch
 
 from .memory import check_host_memory
 from .spec import DSA, MHA, MLA, KVSpec
+from .validate import require_positive_int
 
 _LAYER_ATTR = {"k": "k_buffer", "v": "v_buffer", "kv": "kv_buffer", "index_k": "index_k_buffer"}
 
@@ -28,8 +29,7 @@ class KVPool:
     def __init__(self, spec: KVSpec, size: int, page_size: int, device: str | torch.device):
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"size must be a positive number of token slots, got {size!r}")
-        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+        require_positive_int("page_size", page_size)
         if size < page_size:
             raise ValueError(f"size={size} holds no whole page of page_size={page_size}")
         self.device = torch.device(device)

@@ -28,6 +28,7 @@ from .memory import GB, HostBuffer, check_host_memory, gpu_available
 from .spec import DSA, MHA, MLA, KVSpec
 from .transfer.base import TransferPart, get_backend
 from .transfer import direct as _direct  # noqa: F401  (registers the direct backend)
+from .validate import require_positive_int
 
 logger = logging.getLogger("kvtier")
 
@@ -421,8 +422,7 @@ def _pool_device(pool) -> torch.device:
 
 
 def _check_page_size(page_size, device_pool) -> None:
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
-        raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+    require_positive_int("page_size", page_size)
     dev_ps = getattr(device_pool, "page_size", page_size)
     if dev_ps != page_size:
         raise ValueError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from .validate import require_positive_int
 
 MHA, MLA, DSA = "mha", "mla", "dsa"
 KINDS = (MHA, MLA, DSA)
@@ -101,18 +102,18 @@ class KVSpec:
         if self.kind not in KINDS:
             raise ValueError(f"unknown KV kind {self.kind!r}; use one of {KINDS}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
-        _positive("layer_num", self.layer_num)
+        require_positive_int("layer_num", self.layer_num)
         if self.kind == MHA:
-            _positive("head_num", self.head_num)
-            _positive("head_dim", self.head_dim)
+            require_positive_int("head_num", self.head_num)
+            require_positive_int("head_dim", self.head_dim)
         else:
-            _positive("kv_lora_rank", self.kv_lora_rank)
+            require_positive_int("kv_lora_rank", self.kv_lora_rank)
             if self.qk_rope_head_dim < 0:
                 raise ValueError(
                     f"qk_rope_head_dim must be >= 0, got {self.qk_rope_head_dim}"
                 )
         if self.kind == DSA:
-            _positive("index_head_dim", self.index_head_dim)
+            require_positive_int("index_head_dim", self.index_head_dim)
             if self.index_head_dim % DSA_INDEX_GROUP:
                 raise ValueError(
                     f"index_head_dim must be a multiple of {DSA_INDEX_GROUP} "
@@ -180,11 +181,6 @@ class KVSpec:
             layout, page_size,
         )
         return "|".join(map(str, fields)).encode()
-
-
-def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 # Shapes as the models publish them (KV heads after grouping).

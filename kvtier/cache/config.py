@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from ..transfer.base import IO_BACKENDS
+from ..validate import require_positive_int
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 EVICTION_POLICIES = ("lru", "lfu")
@@ -48,12 +49,12 @@ class CacheConfig:
     advisor_margin: float = 1.0
 
     def __post_init__(self) -> None:
-        _positive_int("page_size", self.page_size)
+        require_positive_int("page_size", self.page_size)
         _choice("write_policy", self.write_policy, WRITE_POLICIES)
         _choice("eviction", self.eviction, EVICTION_POLICIES)
-        _positive_int("selective_hits", self.selective_hits)
-        _positive_int("max_inflight_backups", self.max_inflight_backups)
-        _positive_int("max_inflight_loads", self.max_inflight_loads)
+        require_positive_int("selective_hits", self.selective_hits)
+        require_positive_int("max_inflight_backups", self.max_inflight_backups)
+        require_positive_int("max_inflight_loads", self.max_inflight_loads)
         if self.io_backend is not None:
             _choice("io_backend", self.io_backend, IO_BACKENDS)
         if not isinstance(self.model_id, str):
@@ -63,11 +64,6 @@ class CacheConfig:
         _finite("bandwidth_ewma", self.bandwidth_ewma, low=0.0, strict=True)
         if self.bandwidth_ewma > 1:
             raise ValueError(f"bandwidth_ewma must be in (0, 1], got {self.bandwidth_ewma!r}")
-
-
-def _positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _choice(name: str, value, options: tuple[str, ...]) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..spec import MHA, MLA, KVSpec, parse_dtype
+from ..validate import require_positive_int
 
 LLAMA, DEEPSEEK = "llama", "deepseek"
 MODEL_KINDS = (LLAMA, DEEPSEEK)
@@ -48,10 +49,10 @@ class ModelConfig:
             raise ValueError(f"unknown model kind {self.kind!r}; use one of {MODEL_KINDS}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         for f in ("vocab_size", "hidden_size", "n_layers", "n_heads", "intermediate_size"):
-            _positive(f, getattr(self, f))
+            require_positive_int(f, getattr(self, f))
         if self.kind == LLAMA:
-            _positive("n_kv_heads", self.n_kv_heads)
-            _positive("head_dim", self.head_dim)
+            require_positive_int("n_kv_heads", self.n_kv_heads)
+            require_positive_int("head_dim", self.head_dim)
             if self.n_heads % self.n_kv_heads:
                 raise ValueError(
                     f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
@@ -61,7 +62,7 @@ class ModelConfig:
                 raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         else:
             for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-                _positive(f, getattr(self, f))
+                require_positive_int(f, getattr(self, f))
             if self.qk_rope_head_dim % 2:
                 raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
             if self.q_lora_rank < 0:
@@ -131,15 +132,10 @@ class EngineConfig:
         if self.prefix_cache not in PREFIX_MODES:
             raise ValueError(f"unknown prefix_cache {self.prefix_cache!r}; use one of {PREFIX_MODES}")
         for f in ("device_tokens", "page_size", "max_batch_tokens", "max_running"):
-            _positive(f, getattr(self, f))
+            require_positive_int(f, getattr(self, f))
         if self.device_tokens < self.page_size:
             raise ValueError(f"device_tokens={self.device_tokens} holds no page of page_size={self.page_size}")
         if self.prefix_cache == "tiers":
-            _positive("host_tokens", self.host_tokens)
+            require_positive_int("host_tokens", self.host_tokens)
         if self.attention not in ("auto", "reference", "sdpa"):
             raise ValueError(f"unknown attention {self.attention!r}; use auto, reference or sdpa")
-
-
-def _positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -16,6 +16,7 @@ from typing import Callable
 
 from .engine import Engine
 from .sequence import Sequence
+from ..validate import require_positive_int
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         for f in ("clients", "rounds", "user_tokens", "output_tokens", "vocab_size"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{f} must be a positive integer, got {v!r}")
+            require_positive_int(f, getattr(self, f))
         if self.system_tokens < 0:
             raise ValueError(f"system_tokens must be >= 0, got {self.system_tokens}")
 

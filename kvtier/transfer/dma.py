@@ -21,6 +21,7 @@ from .cudart import memcpy2d
 from .dma_plan import DMAPlan, dma_capable, plan
 from .kernel import KernelBackend, PartTables, check_mapped, on_device
 from .triton_kernels import copy_items
+from ..validate import require_positive_int
 
 MiB = 1 << 20
 
@@ -35,9 +36,7 @@ class DMAConfig:
 
     def __post_init__(self) -> None:
         for name in ("staging_bytes", "buffers", "gather_blocks"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"DMAConfig.{name} must be a positive integer, got {v!r}")
+            require_positive_int(f"DMAConfig.{name}", getattr(self, name))
         if self.buffers < 2:
             raise ValueError(f"DMAConfig.buffers must be >= 2 so copies and kernels overlap, got {self.buffers}")
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .base import get_backend
+from ..validate import require_positive_int
 
 
 class TransferHandle:
@@ -139,8 +140,8 @@ class TransferEngine:
         self.device = torch.device(getattr(self.device_pool, "device", "cpu"))
         if io_backend is None:
             io_backend = "auto" if self.device.type == "cuda" else "direct"
-        if block_quota is not None and (not isinstance(block_quota, int) or block_quota <= 0):
-            raise ValueError(f"block_quota must be a positive integer, got {block_quota!r}")
+        if block_quota is not None:
+            require_positive_int("block_quota", block_quota)
         self.backend = get_backend(io_backend, self.device)
         self.io_backend = io_backend
         self.block_quota = block_quota

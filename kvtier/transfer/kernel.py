@@ -14,6 +14,7 @@ import torch
 
 from .base import Backend, TransferPart
 from .triton_kernels import copy_items, layer_ptr_table
+from ..validate import require_positive_int
 
 # Blocks a transfer may occupy when the caller names no quota. Measured on an
 # H200 (bench/NOTES_transfer.md): fewer blocks leave zero-copy loads short of
@@ -26,8 +27,7 @@ class KernelConfig:
     max_blocks: int = DEFAULT_MAX_BLOCKS
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_blocks, int) or self.max_blocks <= 0:
-            raise ValueError(f"max_blocks must be a positive integer, got {self.max_blocks!r}")
+        require_positive_int("max_blocks", self.max_blocks)
 
 
 class PartTables:
@@ -70,8 +70,7 @@ class KernelBackend(Backend):
     def _blocks(self, block_quota: int | None) -> int:
         if block_quota is None:
             return self.config.max_blocks
-        if not isinstance(block_quota, int) or block_quota <= 0:
-            raise ValueError(f"block_quota must be a positive integer, got {block_quota!r}")
+        require_positive_int("block_quota", block_quota)
         return block_quota
 
     def backup(self, parts, host_idx, dev_idx, block_quota=None):
