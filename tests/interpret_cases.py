@@ -23,7 +23,7 @@ triton = pytest.importorskip("triton")
 
 from kvtier.layouts import LAYOUTS, SUPPORTED  # noqa: E402
 from kvtier.spec import KVSpec  # noqa: E402
-from kvtier.transfer.dma_plan import compact, dma_capable, plan  # noqa: E402
+from kvtier.transfer.dma_plan import compact, dma_capable, grouped_plan, plan, split_copies  # noqa: E402
 from kvtier.transfer.triton_kernels import copy_items, layer_ptr_table  # noqa: E402
 
 SPECS = [
@@ -47,23 +47,26 @@ def _reference(pl, host, dev, h, d, layers):
                 host[off:off + pl.chunk_bytes] = dev[l, ds, c * pl.chunk_bytes:(c + 1) * pl.chunk_bytes]
 
 
-def _memmove_copies(copies, host_base, stg_base, to_host):
-    for h_off, s_off, width, height, hp, sp in copies.tolist():
-        for r in range(height):
-            hs, ss = host_base + h_off + r * hp, stg_base + s_off + r * sp
-            ctypes.memmove(hs, ss, width) if to_host else ctypes.memmove(ss, hs, width)
+def _memmove_copies(copies, host_base, stg_base, to_host, max_pitch=1 << 40):
+    """Play the copy engine: pitched rows row by row, then the flat 1-D copies (as batched)."""
+    tall, flat = split_copies(copies, max_pitch)
+    rows = [(h + r * hp, st + r * sp, w) for h, st, w, height, hp, sp in tall.tolist() for r in range(height)]
+    for h, st, w in rows + list(zip(*(a.tolist() for a in flat))):
+        hs, ss = host_base + h, stg_base + st
+        ctypes.memmove(hs, ss, w) if to_host else ctypes.memmove(ss, hs, w)
 
 
 cases = st.tuples(
     st.sampled_from(range(len(SPECS))), st.sampled_from(["layer_first", "page_first", "page_head"]),
     st.sampled_from([1, 4]), st.booleans(), st.integers(0, 2**31 - 1), st.sampled_from([1, 2, 64]),
+    st.sampled_from([1, 2, 3]), st.sampled_from([1 << 40, 4096]),
 )
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases)
 def test_kernel_and_dma_plan_match_reference(case):
-    si, layout, ps, contiguous, seed, stage_kib = case
+    si, layout, ps, contiguous, seed, stage_kib, group, max_pitch = case
     spec = SPECS[si]
     if layout not in SUPPORTED[spec.kind]:
         return
@@ -93,26 +96,31 @@ def test_kernel_and_dma_plan_match_reference(case):
             for i in range(p.n_chunks):
                 j0, m, copies = p.chunk(i)
                 copy_items(p.staging, stg, layers, ptrs, None, dt, j0, m, 0, L, True, 8)
-                _memmove_copies(copies, host2.data_ptr(), stg.data_ptr(), True)
+                _memmove_copies(copies, host2.data_ptr(), stg.data_ptr(), True, max_pitch)
             assert torch.equal(host2, ref)
-        # ... and per-layer loads back into a poisoned device, by kernel and by DMA.
+        # ... and per-layer loads back into a poisoned device, by kernel and by DMA
+        # (``group`` adjacent layers per copy, issued at each group's first layer).
         for use_dma in (False, True):
             if use_dma and not dma_capable(pl, h):
                 continue
             out = torch.full_like(dev, 0x5A)
             olayers = tuple(out.unbind(0))
             optrs = layer_ptr_table(olayers, "cpu")
+            gp = grouped_plan(pl, h, min(group, L), stage_kib * 1024)
             for l in range(L):
                 buf = ref[l * pl.layer_stride:]
                 if not use_dma:
                     copy_items(pl, buf, olayers, optrs, ht, dt, 0, h.size, l, 1, False, 8)
                     continue
-                p = plan(pl, h, 1, stage_kib * 1024)
+                n = gp.issue_at(l)
+                if n == 0:
+                    continue
+                p = gp.plans[n]
                 stg = torch.empty(p.staging_bytes, dtype=torch.uint8)
                 for i in range(p.n_chunks):
                     j0, m, copies = p.chunk(i)
-                    _memmove_copies(copies, buf.data_ptr(), stg.data_ptr(), False)
-                    copy_items(p.staging, stg, olayers, optrs, None, dt, j0, m, l, 1, False, 8)
+                    _memmove_copies(copies, buf.data_ptr(), stg.data_ptr(), False, max_pitch)
+                    copy_items(p.staging, stg, olayers, optrs, None, dt, j0, m, l, n, False, 8)
             assert torch.equal(out[:, d], dev[:, d])
             rest = np.setdiff1d(np.arange(dsize), d)
             assert (out[:, rest] == 0x5A).all()

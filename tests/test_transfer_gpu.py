@@ -127,3 +127,70 @@ def test_kernel_block_quota_bounds_grid():
     with pytest.raises(ValueError, match="block_quota"):
         TransferEngine(host, "kernel", block_quota=0)
     host.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_head"])
+@pytest.mark.parametrize("group", [0, 1, 3])
+def test_grouped_dma_loads_signal_each_layer_after_its_bytes(layout, group):
+    """Loads that copy adjacent layers together: every layer's event still covers that layer's bytes."""
+    from kvtier.transfer.dma import DMABackend, DMAConfig
+    spec = KVSpec("mha", 8, torch.bfloat16, head_num=4, head_dim=64)
+    ps = 16
+    dev, host = _pools(spec, ps, layout, tokens=1024)
+    eng = TransferEngine(host, "dma")
+    eng.backend = DMABackend(DMAConfig(load_group=group, batch_min=1))
+    rng = np.random.default_rng(group)
+    h = _pages(rng, host.page_num, 40, ps, contiguous=group == 1)
+    d = _pages(rng, dev.size // ps // 2, 40, ps)
+    eng.backup(h, d).synchronize()
+    before = {k: v.clone() for k, v in dev.stacks.items()}
+    d2 = d + dev.size // 2
+    compute = torch.cuda.Stream()
+    ok = {}
+    with torch.cuda.stream(compute):
+        ld = eng.load(h, d2)
+        for layer in range(spec.layer_num):
+            ld.wait_layer(layer, compute)
+            for k, st in dev.stacks.items():
+                ok[(k, layer)] = torch.equal(_b(st[layer, d2.cuda()]), _b(before[k][layer, d.cuda()]))
+    torch.cuda.synchronize()
+    assert all(ok.values()), [k for k, v in ok.items() if not v]
+    chosen = eng.backend.last_groups[0]
+    assert chosen == (group or chosen) and 1 <= chosen <= spec.layer_num
+    host.close()
+
+
+def test_dma_through_the_seed_api_on_the_default_stream():
+    """Batched copies refuse the legacy default stream: there the DMA path queues them one by one."""
+    spec = SPECS["mha_odd"]
+    dev, host = _pools(spec, 1, "layer_first")
+    rng = np.random.default_rng(5)
+    h, d = _pages(rng, host.page_num, 50, 1), _pages(rng, dev.size // 2, 50, 1)
+    assert torch.cuda.current_stream().cuda_stream == 0
+    host.backup_from_device_all_layer(dev, h, d, "dma")
+    d2 = d + dev.size // 2
+    for layer in range(spec.layer_num):
+        host.load_to_device_per_layer(dev, h, d2, layer, "dma")
+    torch.cuda.synchronize()
+    for st in dev.stacks.values():
+        assert torch.equal(_b(st[:, d2.cuda()]), _b(st[:, d.cuda()]))
+    host.close()
+
+
+def test_auto_files_concurrent_samples_under_duplex_keys():
+    """A backup and a load that overlap in time (~256 MiB each) are sampled under duplex keys."""
+    from kvtier.transfer.online import DUPLEX
+    spec = KVSpec("mha", 8, torch.bfloat16, head_num=8, head_dim=128)  # 32 KiB per token
+    tokens = 8192
+    dev, host = _pools(spec, 16, "layer_first", tokens=tokens)
+    eng = TransferEngine(host, "auto")
+    h = torch.arange(tokens)
+    for _ in range(3):
+        hd = eng.backup(h, h)
+        ld = eng.load(h + tokens, h + tokens)
+        hd.synchronize()
+        ld.synchronize()
+    eng.backend.timings.harvest(eng.backend.chooser)
+    keys = [k for k, v in eng.backend.chooser.samples.items() if any(v.values())]
+    assert any(k[-1] == DUPLEX and k[0] for k in keys) and any(k[-1] == DUPLEX and not k[0] for k in keys), keys
+    host.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from kvtier.device_pool import pool_from_spec
@@ -48,3 +49,38 @@ def test_shape_key_separates_direction_geometry_size_and_run_length():
     assert base != shape_key(False, parts_pf, runs, 1 << 20)
     assert base != shape_key(False, parts_lf, scattered, 1 << 20)
     assert base != shape_key(False, parts_lf, runs, 1 << 24)
+
+
+class _Clock:
+    """Stands in for CUDA events (which need a GPU) in the pure bookkeeping below: a time and a fired flag."""
+
+    def __init__(self, t: float, fired: bool = True):
+        self.t, self.fired = t, fired
+
+    def query(self) -> bool:
+        return self.fired
+
+    def elapsed_time(self, other) -> float:
+        return other.t - self.t
+
+
+def test_samples_that_shared_the_link_with_the_other_direction_are_filed_apart():
+    from kvtier.transfer.online import DUPLEX, PendingTimings
+    c, t = OnlineChooser(explore=1), PendingTimings()
+    load, backup = (False, "geom"), (True, "geom")
+    t.add(load, "dma", 10**9, _Clock(0), _Clock(20))        # alone: 50 GB/s
+    t.harvest(c)
+    t.add(backup, "dma", 10**9, _Clock(30), _Clock(60))
+    late = _Clock(70, fired=False)
+    t.add(load, "dma", 10**9, _Clock(40), late)              # starts while the backup runs
+    assert t.busy(False) and not t.busy(True)
+    t.harvest(c)
+    late.fired = True
+    t.harvest(c)
+    assert c.samples[load]["dma"] == [50.0]                   # the solo sample is untouched
+    assert c.samples[load + (DUPLEX,)]["dma"] == [pytest.approx(1e9 / 0.030 / 1e9)]
+    assert c.samples[backup + (DUPLEX,)]["dma"] == [pytest.approx(1e9 / 0.030 / 1e9)]
+    # A sample picked under the duplex key that ran alone goes back to the solo key.
+    t.add(load + (DUPLEX,), "kernel", 10**9, _Clock(100), _Clock(125))
+    t.harvest(c)
+    assert c.samples[load]["kernel"] == [40.0]

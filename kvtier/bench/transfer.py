@@ -175,7 +175,10 @@ def measure(case: Case, engine: TransferEngine, direction: str, idx, clock: Cloc
 
 def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_sizes, layers, progress=True,
               on_row=None) -> list[Row]:
-    """Time every combination; ``on_row(rows)`` is called after each row (partial results survive)."""
+    """Time every combination; ``on_row(rows, groups)`` is called after each row (partial results survive).
+
+    ``groups`` is the layers-per-copy of a DMA load row (None otherwise), for the log.
+    """
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     backends = backends if cuda else ("direct",)
@@ -184,6 +187,7 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
     combos = [(k, lay, ps) for k in kinds for lay in SUPPORTED[k] for ps in page_sizes]
     total = len(combos) * 2 * len(DIRECTIONS) * len(backends)
     rows: list[Row] = []
+    last_groups = [None]
     bar = tqdm(total=total, desc="bench transfer", disable=not progress)
     limits = None
     for kind, layout, ps in combos:
@@ -207,17 +211,27 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                     bar.set_postfix_str(f"{kind} {layout} p{ps} {direction} {backend}")
                     gbps = measure(case, engine, direction, idx, clock, reps)
                     sms = getattr(engine.backend, "last_blocks", 0)
+                    last_groups[0] = load_groups(engine.backend) if direction == "load" else None
                     lim = limits[direction]
                     rows.append(Row(kind, layout, ps, direction, backend,
                                     "scattered" if scattered else "allocator",
                                     round(gbps, 2), round(lim, 2), round(gbps / lim, 3), sms))
                     bar.update()
                     if on_row:
-                        on_row(rows)
+                        on_row(rows, last_groups[0])
         case.host.close()
         del case
     bar.close()
     return rows
+
+
+def load_groups(backend) -> list[int] | None:
+    """Layers per copy of the last DMA load (auto: when it chose DMA), for the log."""
+    if getattr(backend, "name", "") == "auto":
+        if "dma" not in getattr(backend, "last_choice", []):
+            return None
+        backend = backend.dma
+    return getattr(backend, "last_groups", None)
 
 
 def table(rows: list[Row]) -> str:
@@ -255,16 +269,22 @@ def transfer(tokens, reps, backends, kinds, page_sizes, quick, verbose, json_pat
         tokens, reps = 256, 1
     start = time.perf_counter()
 
-    def save(rows):
+    def save(rows, groups=None):
         if verbose:
             r = rows[-1]
+            extra = f" layers/copy={groups}" if groups else ""
             click.echo(f"[{time.perf_counter() - start:6.1f}s] {r.kind} {r.layout} p{r.page_size} {r.direction} "
-                       f"{r.host_slots} {r.backend}: {r.gbps} GB/s ({r.ratio}x) sms={r.sms}", err=True)
+                       f"{r.host_slots} {r.backend}: {r.gbps} GB/s ({r.ratio}x) sms={r.sms}{extra}", err=True)
         if json_path:
             with open(json_path, "w") as f:
                 json.dump([asdict(r) for r in rows], f, indent=1)
 
     rows = run_bench(tokens, reps, tuple(backends), kinds, page_sizes, layers, on_row=save)
+    if verbose and torch.cuda.is_available():
+        from ..transfer.base import get_backend
+        for (_, width, pitch, off), rate in sorted(get_backend("dma", torch.device("cuda")).row_rates.items()):
+            click.echo(f"copy engine, rows {width} B wide {pitch} B apart (+{off}): {rate:.2f}x a contiguous copy",
+                       err=True)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     click.echo(f"\n{dev}, {tokens} tokens per transfer; cells are GB/s and ratio to the contiguous limit")
     click.echo(table(rows))

@@ -21,11 +21,11 @@ import torch
 
 from ..layouts import Placement
 from .base import Backend, TransferPart
-from .cudart import memcpy2d
+from .cudart import has_batch, memcpy2d, memcpy_batch
 from .dma import DMABackend
 from .dma_plan import DMAPlan
 from .kernel import KernelBackend, check_mapped
-from .online import OnlineChooser, PendingTimings, shape_key
+from .online import DUPLEX, OnlineChooser, PendingTimings, shape_key
 from .triton_kernels import copy_items, layer_ptr_table
 
 WIDTHS = (256, 1024, 4096, 1 << 20)
@@ -41,7 +41,8 @@ class CostModel:
 
     dma_bw: dict = field(default_factory=dict)
     kernel_bw: dict = field(default_factory=dict)
-    per_copy: dict = field(default_factory=dict)
+    per_copy: dict = field(default_factory=dict)   # one more 1-D copy in a batch
+    per_call: dict = field(default_factory=dict)   # one more pitched copy (a runtime call each)
 
     @staticmethod
     def _bw(table: dict, to_host: bool, width: int) -> float:
@@ -50,7 +51,8 @@ class CostModel:
         return float(np.interp(np.log2(max(width, 1)), xs, ys))
 
     def dma_seconds(self, p: DMAPlan, nbytes: int, to_host: bool) -> float:
-        return p.n_copies * self.per_copy[to_host] + nbytes / self._bw(self.dma_bw, to_host, p.min_width)
+        return (p.n_calls * self.per_call[to_host] + p.n_flat * self.per_copy[to_host]
+                + nbytes / self._bw(self.dma_bw, to_host, p.min_width))
 
     def kernel_seconds(self, pl: Placement, nbytes: int, to_host: bool) -> float:
         return nbytes / self._bw(self.kernel_bw, to_host, pl.chunk_bytes)
@@ -71,10 +73,15 @@ def _time(fn, reps: int = 3) -> float:
 
 def calibrate(device: torch.device, kernel_blocks: int) -> CostModel:
     """Time each copy path on scratch buffers of ``CAL_BYTES`` (x2 for pitched rows)."""
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        return _calibrate(device, kernel_blocks, stream.cuda_stream)
+
+
+def _calibrate(device: torch.device, kernel_blocks: int, s: int) -> CostModel:
     model = CostModel()
     host = torch.empty(2 * CAL_BYTES, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(2 * CAL_BYTES, dtype=torch.uint8, device=device)
-    s = torch.cuda.current_stream(device).cuda_stream
     hp, dp = host.data_ptr(), dev.data_ptr()
     for to_host in (True, False):
         for w in WIDTHS:
@@ -92,15 +99,23 @@ def calibrate(device: torch.device, kernel_blocks: int) -> CostModel:
             model.dma_bw[(to_host, w)] = rows * w / _time(dma)
             kpitch = w if w >= (1 << 20) else 2 * w
             model.kernel_bw[(to_host, w)] = CAL_BYTES / _time(_kernel_probe(host, dev, w, kpitch, to_host, kernel_blocks))
+        # The cost of one more copy, queued as the DMA backend queues them: many
+        # small 1-D copies in one batch (0.3 us each on an H200), else one by one.
         n = 256
+        offs = np.arange(n, dtype=np.uint64) * np.uint64(2 * 4096)
+        h_addr, d_addr = offs + np.uint64(hp), offs + np.uint64(dp)
+        sizes = np.full(n, 4096, dtype=np.uint64)
+        src, dst = (d_addr, h_addr) if to_host else (h_addr, d_addr)
+        pairs = list(zip(dst.tolist(), src.tolist()))
 
-        def small():
-            for i in range(n):
-                if to_host:
-                    memcpy2d(hp + i * 4096, 4096, dp + i * 4096, 4096, 4096, 1, s)
-                else:
-                    memcpy2d(dp + i * 4096, 4096, hp + i * 4096, 4096, 4096, 1, s)
-        model.per_copy[to_host] = _time(small) / n
+        def one_by_one():
+            for a, b in pairs:
+                memcpy2d(a, 4096, b, 4096, 4096, 1, s)
+        model.per_call[to_host] = _time(one_by_one) / n
+        if has_batch():
+            model.per_copy[to_host] = _time(lambda: memcpy_batch(dst, src, sizes, s)) / n
+        else:
+            model.per_copy[to_host] = model.per_call[to_host]
     return model
 
 
@@ -145,9 +160,9 @@ class AutoBackend(Backend):
         self.prepare(parts, host_idx, dev_idx, True, block_quota)(None)
 
     def load(self, parts, host_idx, dev_idx, layer):
-        self.prepare(parts, host_idx, dev_idx, False)(layer)
+        self.prepare(parts, host_idx, dev_idx, False, whole=False)(layer)
 
-    def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None):
+    def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None, whole: bool = True):
         """Choose kernel or DMA for this transfer from measured times; returns ``run(layer)``.
 
         Each call of ``run`` is timed with device events; the time from the
@@ -157,9 +172,11 @@ class AutoBackend(Backend):
         for part in parts:
             check_mapped(part)
         host_np = host_idx.to("cpu").numpy()
-        dma_plans = [self.dma.plan_part(p, host_np, to_host) for p in parts]
+        dma_plans = [self.dma.plan_part(p, host_np, to_host, whole) for p in parts]
         per_run = sum(host_np.size * p.item_bytes * (p.layer_num if to_host else 1) for p in parts)
         key = shape_key(to_host, parts, host_np, per_run)
+        if self.timings.busy(not to_host):
+            key = key + (DUPLEX,)  # the link is shared with a transfer the other way
         candidates = ["kernel"]
         if any(p is not None for p in dma_plans):
             predicted = {
@@ -186,9 +203,9 @@ class AutoBackend(Backend):
                 state["start"].record(stream)
             inner(layer)
             state["bytes"] += per_run
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(stream)
             if layer is None or layer == parts[0].layer_num - 1:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(stream)
                 self.timings.add(key, choice, state["bytes"], state["start"], end)
             self.last_blocks = self.dma.last_blocks
         return run

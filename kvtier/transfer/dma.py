@@ -6,6 +6,17 @@ the copy engine drains chunk ``k-1`` to the host on the caller's stream; a
 load runs the other way round. Staging is a small ring of device buffers per
 direction, reused only after the event that last used a buffer has fired,
 so memory stays bounded and no buffer is overwritten while a copy reads it.
+
+Two things keep the copy engine at the PCIe limit where a layout makes its
+work small. Many 1-D copies of a chunk are queued in one
+``cudaMemcpyBatchAsync`` call (about 0.3 us each instead of about 2-4 us, so
+the host keeps ahead of the engine). And a load from a page-major layout,
+where one layer of a token is a short row between the other layers' rows,
+copies several adjacent layers at once: on an H200 the copy engine moves
+2 KiB rows spaced 64 KiB apart at 61% of a contiguous copy, and 32 KiB rows
+at 100% (``bench/results/probe_copy_paths_h200.json``). How many layers is
+measured once per row geometry (:meth:`DMABackend.row_rate`), not guessed;
+``DMAConfig.load_group`` overrides it (1 = strictly one layer at a time).
 """
 
 from __future__ import annotations
@@ -17,8 +28,8 @@ import numpy as np
 import torch
 
 from .base import Backend, TransferPart
-from .cudart import memcpy2d
-from .dma_plan import DMAPlan, dma_capable, plan
+from .cudart import has_batch, memcpy2d, memcpy_batch
+from .dma_plan import DMAPlan, GroupedPlan, choose_group, dma_capable, grouped_plan, plan, split_copies
 from .kernel import KernelBackend, PartTables, check_mapped, on_device
 from .triton_kernels import copy_items
 from ..validate import require_positive_int
@@ -28,17 +39,35 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class DMAConfig:
-    """``staging_bytes`` per buffer, ``buffers`` per direction, ``gather_blocks`` per gather."""
+    """How the DMA backend stages and queues copies.
+
+    ``staging_bytes`` per buffer, ``buffers`` per direction, ``gather_blocks``
+    per gather or scatter kernel. ``load_group``: adjacent layers a load from
+    a page-major layout copies at once; 0 measures the fewest that keep the
+    copy engine at ``group_target`` of a contiguous copy with copies of
+    ``min_copy_bytes`` on average, 1 keeps loads strictly layer by layer
+    (finest overlap with the forward pass).
+    ``batch_min``: a chunk with at least this many 1-D copies queues them in
+    one batched call.
+    """
 
     staging_bytes: int = 32 * MiB
     buffers: int = 3
     gather_blocks: int = 16
+    load_group: int = 0
+    group_target: float = 0.97
+    min_copy_bytes: int = 256 * 1024
+    batch_min: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("staging_bytes", "buffers", "gather_blocks"):
+        for name in ("staging_bytes", "buffers", "gather_blocks", "batch_min", "min_copy_bytes"):
             require_positive_int(f"DMAConfig.{name}", getattr(self, name))
         if self.buffers < 2:
             raise ValueError(f"DMAConfig.buffers must be >= 2 so copies and kernels overlap, got {self.buffers}")
+        if isinstance(self.load_group, bool) or not isinstance(self.load_group, int) or self.load_group < 0:
+            raise ValueError(f"DMAConfig.load_group must be 0 (measure) or a positive layer count, got {self.load_group!r}")
+        if not 0 < self.group_target <= 1:
+            raise ValueError(f"DMAConfig.group_target must be in (0, 1], got {self.group_target!r}")
 
 
 class _Slot:
@@ -78,7 +107,11 @@ class DMABackend(Backend):
         self.tables = PartTables()
         self.fallback = fallback or KernelBackend()
         self._rings: dict[tuple[int, bool], StagingRing] = {}
+        self._rates: dict[tuple, float] = {}
+        self._groups: dict[tuple, int] = {}
+        self._rate_lock = threading.Lock()
         self.last_blocks = 0
+        self.last_groups: list[int] = []  # layers per copy of the last load's parts (1 = per layer)
 
     def ring(self, device: torch.device, to_host: bool) -> StagingRing:
         key = (device.index, to_host)
@@ -87,32 +120,81 @@ class DMABackend(Backend):
             self._rings[key] = StagingRing(device, self.config, 0 if to_host else -1)
         return self._rings[key]
 
-    def plan_part(self, part: TransferPart, host_np: np.ndarray, to_host: bool) -> DMAPlan | None:
-        """The plan for one part, or None where the host slots do not suit DMA."""
+    def plan_part(self, part: TransferPart, host_np: np.ndarray, to_host: bool,
+                  whole: bool = True) -> DMAPlan | GroupedPlan | None:
+        """The plan for one part, or None where the host slots do not suit DMA.
+
+        A backup moves every layer in one plan; a load of every layer
+        (``whole``) moves groups of adjacent layers (:meth:`load_group`).
+        """
         if not dma_capable(part.host, host_np):
             return None
-        layers = part.layer_num if to_host else 1
-        return plan(part.host, host_np, layers, self.config.staging_bytes)
+        if to_host:
+            return plan(part.host, host_np, part.layer_num, self.config.staging_bytes)
+        group, built = self.load_group(part, host_np) if whole else (1, {})
+        return grouped_plan(part.host, host_np, group, self.config.staging_bytes, built)
+
+    def load_group(self, part: TransferPart, host_np: np.ndarray) -> tuple[int, dict]:
+        """Layers per copy for loading ``host_np`` (and the plans built deciding it).
+
+        Decided once per placement, size class and run-length class, then reused.
+        """
+        if self.config.load_group:
+            return min(self.config.load_group, part.layer_num), {}
+        n = max(int(host_np.size), 1)
+        runs = 1 + int(np.count_nonzero(np.diff(host_np) != 1)) if host_np.size else 1
+        key = (part.host, part.device_layers[0].device.index, n.bit_length(), (n // runs).bit_length())
+        if key in self._groups:
+            return self._groups[key], {}
+        group, built = choose_group(part.host, host_np, self.config.staging_bytes,
+                                    lambda w, p, off: self.row_rate(part, w, p, off), self.config.group_target,
+                                    self.config.min_copy_bytes)
+        self._groups[key] = group
+        return group, built
+
+    @property
+    def row_rates(self) -> dict[tuple, float]:
+        """Measured pitched-row rates so far: ``{(device, width, pitch): fraction of a contiguous copy}``."""
+        return dict(self._rates)
+
+    def row_rate(self, part: TransferPart, width: int, pitch: int, offset: int = 0) -> float:
+        """Host -> device bandwidth of rows ``width`` bytes wide and ``pitch`` apart from byte
+        ``offset`` of the part, over a contiguous copy's.
+
+        Timed once per (device, width, pitch) by copying rows of this part's
+        host memory (read only) into a scratch buffer. Small copies flatter
+        the copy engine, so this moves up to 64 MiB and blocks the host for
+        a few milliseconds, once.
+        """
+        device = part.device_layers[0].device
+        key = (device.index, width, pitch, offset % 4096)
+        with self._rate_lock:
+            if key not in self._rates:
+                self._rates[key] = _measure_row_rate(part.host_raw[offset:], device, width, pitch)
+            return self._rates[key]
 
     def backup(self, parts, host_idx, dev_idx, block_quota=None):
         self.run(parts, host_idx, dev_idx, None)
 
     def load(self, parts, host_idx, dev_idx, layer):
-        self.run(parts, host_idx, dev_idx, layer)
+        # One layer on its own: no group, whatever the layout.
+        self.prepare(parts, host_idx, dev_idx, False, whole=False)(layer)
 
     def run(self, parts, host_idx, dev_idx, layer) -> None:
-        self.prepare(parts, host_idx, dev_idx, layer is None)(layer)
+        self.prepare(parts, host_idx, dev_idx, layer is None, whole=False)(layer)
 
-    def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None):
+    def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None, whole: bool = True):
         """Plans made once; returns ``run(layer)`` (``layer=None`` for a backup).
 
-        Parts whose host slots do not suit DMA (partial pages of a page-jumping
-        layout) go through the kernel backend.
+        ``whole``: a load's ``run`` will be called for every layer, in order,
+        so adjacent layers may be copied together. Parts whose host slots do
+        not suit DMA (partial pages of a page-jumping layout) go through the
+        kernel backend.
         """
         for part in parts:
             check_mapped(part)
         host_np = host_idx.to("cpu").numpy()
-        plans = [self.plan_part(p, host_np, to_host) for p in parts]
+        plans = [self.plan_part(p, host_np, to_host, whole) for p in parts]
         return self.runner(parts, plans, host_idx, dev_idx, block_quota)
 
     def runner(self, parts, plans, host_idx, dev_idx, block_quota=None):
@@ -121,34 +203,47 @@ class DMABackend(Backend):
         h = on_device(host_idx, device) if any(p is None for p in plans) else None
         blocks = self.fallback._blocks(block_quota)
         joined = [False]  # a load's copy stream joins the caller's stream once per transfer
+        if plans and not isinstance(plans[0], DMAPlan):
+            self.last_groups = [p.group if p is not None else 1 for p in plans]
 
         def run(layer):
             used = 0
             for part, p in zip(parts, plans):
                 if p is None:
                     used = max(used, self.fallback.copy_part(part, h, d, layer, blocks))
+                    continue
+                if layer is None:
+                    self.run_part(part, p, d, None)
                 else:
-                    self.run_part(part, p, d, layer, join=not joined[0])
-                    joined[0] = layer is not None
-                    used = max(used, self.config.gather_blocks)
+                    n = p.issue_at(layer)
+                    if n == 0:
+                        used = max(used, self.config.gather_blocks)
+                        continue  # moved with its group's first layer
+                    self.run_part(part, p.plans[n], d, layer, join=not joined[0], n_layers=n)
+                    joined[0] = True
+                used = max(used, self.config.gather_blocks)
             self.last_blocks = used
         return run
 
-    def run_part(self, part: TransferPart, p: DMAPlan, d: torch.Tensor, layer: int | None, join: bool = True) -> None:
-        """Queue one part. Backup: gather on the side stream, copy on the caller's.
+    def run_part(self, part: TransferPart, p: DMAPlan, d: torch.Tensor, layer: int | None, join: bool = True,
+                 n_layers: int = 1) -> None:
+        """Queue one part: all layers (``layer=None``) or layers ``layer .. layer+n_layers-1``.
 
-        Load: copies on the side stream, scatters on the caller's, so the copy
-        engine runs ahead into free staging buffers while earlier chunks (and
-        layers) are scattered; the side stream joins the caller's stream only
-        on the first layer of a transfer (``join``), which carries the
-        transfer's ordering after compute and after conflicting transfers.
+        Backup: gather on the side stream, copy on the caller's. Load: copies
+        on the side stream, scatters on the caller's, so the copy engine runs
+        ahead into free staging buffers while earlier chunks (and layers) are
+        scattered; the side stream joins the caller's stream only on the
+        first layer of a transfer (``join``), which carries the transfer's
+        ordering after compute and after conflicting transfers.
         """
         to_host = layer is None
         ring = self.ring(d.device, to_host)
         cur = torch.cuda.current_stream(d.device)
         ptrs = self.tables.get(part, d.device)
         host_base = part.host_raw.data_ptr() + (0 if to_host else layer * part.host.layer_stride)
-        n_layers = part.layer_num if to_host else 1
+        if to_host:
+            n_layers = part.layer_num
+        batch = self.config.batch_min
         with ring.lock:
             if to_host or join:
                 ring.side.wait_stream(cur)
@@ -160,14 +255,14 @@ class DMABackend(Backend):
                 if to_host:
                     self._gather(ring, slot, p, part, ptrs, d, j0, m, n_layers)
                     cur.wait_event(slot.ready)
-                    _issue(copies, host_base, slot.buf.data_ptr(), to_host, cur.cuda_stream)
+                    _issue(copies, host_base, slot.buf.data_ptr(), to_host, cur.cuda_stream, batch)
                     slot.free.record(cur)
                 else:
                     ring.side.wait_event(slot.free)
-                    _issue(copies, host_base, slot.buf.data_ptr(), to_host, ring.side.cuda_stream)
+                    _issue(copies, host_base, slot.buf.data_ptr(), to_host, ring.side.cuda_stream, batch)
                     slot.ready.record(ring.side)
                     cur.wait_event(slot.ready)
-                    copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, layer, 1,
+                    copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, layer, n_layers,
                                False, self.config.gather_blocks)
                     slot.free.record(cur)
 
@@ -184,15 +279,54 @@ class DMABackend(Backend):
 _MAX_PITCH = (1 << 31) - 1
 
 
-def _issue(copies: np.ndarray, host_base: int, stg_base: int, to_host: bool, stream: int) -> None:
-    """Queue a chunk's copies between staging and host on ``stream``."""
-    for h_off, s_off, width, height, hp, sp in copies.tolist():
-        if height > 1 and max(hp, sp) > _MAX_PITCH:
-            for r in range(height):
-                _issue(np.array([[h_off + r * hp, s_off + r * sp, width, 1, width, width]]),
-                       host_base, stg_base, to_host, stream)
-            continue
+def _issue(copies: np.ndarray, host_base: int, stg_base: int, to_host: bool, stream: int,
+           batch_min: int = 8) -> None:
+    """Queue a chunk's copies between staging and host on ``stream``.
+
+    Rows are ``(host_off, stg_off, width, height, host_pitch, stg_pitch)``.
+    Pitched rows go one ``cudaMemcpy2DAsync`` each; 1-D copies (and rows
+    whose pitch the 2-D call refuses, split into 1-D copies) go in one
+    batched call when there are ``batch_min`` or more and the runtime has it.
+    """
+    tall, (h_off, s_off, width) = split_copies(copies, _MAX_PITCH)
+    for h, st, w, height, hp, sp in tall.tolist():
         if to_host:
-            memcpy2d(host_base + h_off, hp, stg_base + s_off, sp, width, height, stream)
+            memcpy2d(host_base + h, hp, stg_base + st, sp, w, height, stream)
         else:
-            memcpy2d(stg_base + s_off, sp, host_base + h_off, hp, width, height, stream)
+            memcpy2d(stg_base + st, sp, host_base + h, hp, w, height, stream)
+    if not len(width):
+        return
+    host, stg = h_off.astype(np.uint64) + np.uint64(host_base), s_off.astype(np.uint64) + np.uint64(stg_base)
+    dst, src = (host, stg) if to_host else (stg, host)
+    if len(width) >= batch_min and stream != 0 and has_batch():
+        memcpy_batch(dst, src, width.astype(np.uint64), stream)
+        return
+    for a, b, w in zip(dst.tolist(), src.tolist(), width.tolist()):
+        memcpy2d(a, w, b, w, w, 1, stream)
+
+
+def _measure_row_rate(host_raw: torch.Tensor, device: torch.device, width: int, pitch: int,
+                      payload: int = 64 * MiB) -> float:
+    """Timed pitched host -> device copies over a contiguous copy of the same bytes (median of 3)."""
+    rows = max(1, min(payload // width, host_raw.numel() // pitch))
+    nbytes = rows * width
+    scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    src, dst = host_raw.data_ptr(), scratch.data_ptr()
+
+    def timed(fn) -> float:
+        times = []
+        with torch.cuda.stream(stream):
+            for i in range(4):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(stream)
+                fn()
+                b.record(stream)
+                b.synchronize()
+                if i:  # the first is a warm-up
+                    times.append(a.elapsed_time(b))
+        return float(np.median(times))
+    s = stream.cuda_stream
+    pitched = timed(lambda: memcpy2d(dst, width, src, pitch, width, rows, s))
+    flat = timed(lambda: memcpy2d(dst, nbytes, src, nbytes, nbytes, 1, s))
+    return flat / pitched if pitched > 0 else 1.0

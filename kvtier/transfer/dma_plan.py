@@ -70,18 +70,29 @@ def _run_dims(host: Placement, stg: Placement, k: int, layers: int) -> list[tupl
     return merged
 
 
+TALL_MIN = 8
+
+
 def _run_template(host: Placement, stg: Placement, k: int, layers: int) -> np.ndarray:
     """The 2-D copies of one run of ``k`` slots, relative to its first byte on each side.
 
-    Rows: ``(host_off, stg_off, width, height, host_pitch, stg_pitch)``.
+    Rows: ``(host_off, stg_off, width, height, host_pitch, stg_pitch)``. One
+    outer dimension becomes the rows of each 2-D copy, the others are
+    enumerated: the one with the shortest host pitch among those of at least
+    ``TALL_MIN`` rows (the copy engine moves narrow rows at full speed only
+    when they are close together), else the longest (fewest copies).
     """
     dims = _run_dims(host, stg, k, layers)
     width = dims[-1][0]
     if len(dims) == 1:
         return np.array([[0, 0, width, 1, width, width]], dtype=np.int64)
-    height, hp, sp = dims[-2]
+    outer = dims[:-1]
+    enough = [i for i in range(len(outer)) if outer[i][0] >= TALL_MIN]
+    tall = (min(enough, key=lambda i: outer[i][1]) if enough
+            else max(range(len(outer)), key=lambda i: outer[i][0]))
+    height, hp, sp = outer[tall]
     h_off, s_off = np.zeros(1, np.int64), np.zeros(1, np.int64)
-    for n, hs, ss in dims[:-2]:
+    for n, hs, ss in outer[:tall] + outer[tall + 1:]:
         r = np.arange(n, dtype=np.int64)
         h_off = (h_off[:, None] + r[None, :] * hs).ravel()
         s_off = (s_off[:, None] + r[None, :] * ss).ravel()
@@ -118,6 +129,16 @@ class DMAPlan:
     @property
     def n_copies(self) -> int:
         return len(self.copies)
+
+    @property
+    def n_calls(self) -> int:
+        """Pitched copies (one runtime call each)."""
+        return int(np.count_nonzero(self.copies[:, 3] > 1))
+
+    @property
+    def n_flat(self) -> int:
+        """1-D copies (queued in batches)."""
+        return int(np.count_nonzero(self.copies[:, 3] == 1))
 
     @property
     def min_width(self) -> int:
@@ -170,3 +191,121 @@ def plan(pl: Placement, host_idx: np.ndarray, layers: int, staging_bytes: int) -
 def _offsets(pl: Placement, slots: np.ndarray) -> np.ndarray:
     slots = slots.astype(np.int64)
     return (slots // pl.page_size) * pl.page + (slots % pl.page_size) * pl.token
+
+
+def narrow_layer_rows(pl: Placement) -> bool:
+    """True when one layer's bytes of a token sit between other layers' (page-major layouts).
+
+    Then a one-layer load copies rows of ``chunk_bytes`` spaced ``token``
+    apart, and moving ``g`` adjacent layers at once widens the rows ``g``-fold.
+    """
+    return pl.layer_num > 1 and pl.layer_stride == pl.chunk_bytes
+
+
+def group_sizes(layer_num: int) -> list[int]:
+    """Candidate layers-per-copy: powers of two below ``layer_num``, then all of them."""
+    out, g = [], 1
+    while g < layer_num:
+        out.append(g)
+        g *= 2
+    return out + [layer_num]
+
+
+# Queued in a batch, a 1-D copy costs about half a runtime call: ~0.3 us of host time but
+# ~0.8-1.9 us of copy-engine time, vs 2.1-3.5 us a call (H200, bench/results/probe_copy_paths_h200.json).
+BATCHED_PER_CALL = 2
+
+
+def plan_pitch(p: DMAPlan) -> int:
+    """The widest host pitch among a plan's pitched copies (0 when every copy is one run)."""
+    tall = p.copies[:, 3] > 1
+    return int(p.copies[tall, 4].max()) if tall.any() else 0
+
+
+def choose_group(pl: Placement, host_idx: np.ndarray, staging_bytes: int, row_rate, target: float,
+                 min_copy_bytes: int) -> tuple[int, dict]:
+    """The fewest adjacent layers a load must copy at once for the copy engine to keep pace.
+
+    A group qualifies when its plan's narrowest rows, at their pitch, move at
+    ``target`` of a contiguous copy by ``row_rate(width, pitch, offset)`` (measured,
+    from the first and from the second group's first byte)
+    and its copies average ``min_copy_bytes`` (each copy costs the host a
+    runtime call). Layouts whose layer rows are already long get 1 (strictly
+    one layer at a time). Returns the group and the plans built on the way
+    (by layer count), so the chosen one is not built twice.
+    """
+    plans: dict = {}
+    if not narrow_layer_rows(pl):
+        return 1, plans
+    for g in group_sizes(pl.layer_num):
+        p = plans[g] = plan(pl, host_idx, g, staging_bytes)
+        pitch = plan_pitch(p)
+        # Rows starting at layer 0 and at layer g: the copy engine's speed depends on alignment
+        # (H200: 8 KiB rows 64 KiB apart, 99.6% from layer 0, 90% from layer 4).
+        fast = pitch == 0 or min(row_rate(p.min_width, pitch, off * pl.layer_stride)
+                                 for off in {0, g % pl.layer_num}) >= target
+        calls = p.n_calls + p.n_flat / BATCHED_PER_CALL
+        if fast and host_idx.size * g * pl.item_bytes >= min_copy_bytes * max(calls, 1):
+            return g, plans
+    return pl.layer_num, plans
+
+
+@dataclass(frozen=True)
+class GroupedPlan:
+    """A load copied ``group`` adjacent layers at a time; ``plans[n]`` moves ``n`` layers.
+
+    The layers of a group arrive together: the copy (and the scatter) of a
+    group is issued when its first layer is asked for.
+    """
+
+    group: int
+    layer_num: int
+    plans: dict
+
+    def issue_at(self, layer: int) -> int:
+        """Layers to move when ``layer`` is asked for: a group's size at its first layer, else 0."""
+        if layer % self.group:
+            return 0
+        return min(self.group, self.layer_num - layer)
+
+    @property
+    def n_copies(self) -> float:
+        """Copies per layer."""
+        return self.plans[self.group].n_copies / self.group
+
+    @property
+    def n_calls(self) -> float:
+        return self.plans[self.group].n_calls / self.group
+
+    @property
+    def n_flat(self) -> float:
+        return self.plans[self.group].n_flat / self.group
+
+    @property
+    def min_width(self) -> int:
+        return min(p.min_width for p in self.plans.values())
+
+
+def grouped_plan(pl: Placement, host_idx: np.ndarray, group: int, staging_bytes: int,
+                 built: dict | None = None) -> GroupedPlan:
+    """Plans for a load in groups of ``group`` layers (and the shorter last group); ``built`` are reused."""
+    built = built or {}
+    sizes = sorted({group, pl.layer_num % group or group})
+    return GroupedPlan(group, pl.layer_num,
+                       {n: built[n] if n in built else plan(pl, host_idx, n, staging_bytes) for n in sizes})
+
+
+def split_copies(copies: np.ndarray, max_pitch: int):
+    """Split a chunk's copies into pitched rows for one 2-D call each and a flat list of 1-D copies.
+
+    Returns ``(tall, (host_off, stg_off, width))``: ``tall`` holds the rows
+    of height > 1 whose pitches a 2-D call accepts (``<= max_pitch``); every
+    other row becomes ``height`` 1-D copies, so they can go in one batch.
+    """
+    tall = (copies[:, 3] > 1) & (np.maximum(copies[:, 4], copies[:, 5]) <= max_pitch)
+    flat = copies[~tall]
+    heights = flat[:, 3]
+    row = np.arange(int(heights.sum()), dtype=np.int64) - np.repeat(np.cumsum(heights) - heights, heights)
+    h_off = np.repeat(flat[:, 0], heights) + row * np.repeat(flat[:, 4], heights)
+    s_off = np.repeat(flat[:, 1], heights) + row * np.repeat(flat[:, 5], heights)
+    return copies[tall], (h_off, s_off, np.repeat(flat[:, 2], heights))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -59,22 +59,54 @@ class OnlineChooser:
         return max(seen, key=seen.get) if seen else None
 
 
-class PendingTimings:
-    """Start/end events of transfers in flight; harvested when they complete."""
+DUPLEX = "duplex"
 
-    def __init__(self):
+
+def _before(a, b) -> bool:
+    """Event ``a`` fired before event ``b`` (both complete)."""
+    return a.elapsed_time(b) > 0
+
+
+class PendingTimings:
+    """Start/end events of transfers in flight; harvested when they complete.
+
+    A transfer that ran while one in the other direction did shares the
+    link with it, so its sample is filed under its key plus ``DUPLEX`` and
+    never mixes with the samples of transfers that had the link alone.
+    Keys start with the direction (``to_host``).
+    """
+
+    def __init__(self, history: int = 16):
         self._pending: list[tuple] = []
+        self._recent: deque = deque(maxlen=history)  # (to_host, start, end) of finished samples
         self._lock = threading.Lock()
 
     def add(self, key, candidate: str, nbytes: int, start, end) -> None:
         with self._lock:
             self._pending.append((key, candidate, nbytes, start, end))
 
+    def busy(self, to_host: bool) -> bool:
+        """True while a timed transfer in direction ``to_host`` has not finished."""
+        with self._lock:
+            return any(p[0][0] == to_host and not p[4].query() for p in self._pending)
+
     def harvest(self, chooser: OnlineChooser) -> None:
         with self._lock:
             done = [p for p in self._pending if p[4].query()]
-            self._pending = [p for p in self._pending if not p[4].query()]
+            self._pending = [p for p in self._pending if p not in done]
+            spans = [(p[0][0], p[3], p[4]) for p in done + self._pending] + list(self._recent)
+            self._recent.extend((p[0][0], p[3], p[4]) for p in done)
         for key, cand, nbytes, start, end in done:
             ms = start.elapsed_time(end)
-            if ms > 0:
-                chooser.record(key, cand, nbytes / (ms / 1e3) / 1e9)
+            if ms <= 0:
+                continue
+            shared = any(d != key[0] and _overlaps(start, end, s, e) for d, s, e in spans)
+            base = key[:-1] if key[-1] == DUPLEX else key  # how it ran decides, not what was expected
+            chooser.record(base + (DUPLEX,) if shared else base, cand, nbytes / (ms / 1e3) / 1e9)
+
+
+def _overlaps(start, end, s, e) -> bool:
+    """Whether [start, end] (complete) and [s, e] (``e`` may still be pending) intersect."""
+    if not s.query() or not _before(s, end):
+        return False
+    return not e.query() or _before(start, e)
