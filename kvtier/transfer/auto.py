@@ -138,6 +138,7 @@ class AutoBackend(Backend):
         self._lock = threading.Lock()
         self.chooser = OnlineChooser(explore)
         self.timings = PendingTimings()
+        self._candidates: dict[tuple, list[str]] = {}  # per shape, ranked by the prior once
         self.last_choice: list[str] = []
         self.last_blocks = 0
 
@@ -156,6 +157,19 @@ class AutoBackend(Backend):
             total += model.kernel_seconds(part.host, nbytes, to_host) if p is None else model.dma_seconds(p, nbytes, to_host)
         return total
 
+    def ranked(self, parts, dma_plans, n_slots: int, to_host: bool) -> list[str]:
+        """Candidates worth trying, best predicted first."""
+        if all(p is None for p in dma_plans):
+            return ["kernel"]
+        predicted = {
+            "kernel": self.predicted_seconds(parts, [None] * len(parts), n_slots, to_host),
+            "dma": self.predicted_seconds(parts, dma_plans, n_slots, to_host),
+        }
+        # Never try a candidate the prior expects to be far slower: one such
+        # transfer (thousands of tiny copies) can stall for a second.
+        fastest = min(predicted.values())
+        return sorted((c for c, t in predicted.items() if t <= EXPLORE_WITHIN * fastest), key=predicted.get)
+
     def backup(self, parts, host_idx, dev_idx, block_quota=None):
         self.prepare(parts, host_idx, dev_idx, True, block_quota)(None)
 
@@ -172,25 +186,24 @@ class AutoBackend(Backend):
         for part in parts:
             check_mapped(part)
         host_np = host_idx.to("cpu").numpy()
-        dma_plans = [self.dma.plan_part(p, host_np, to_host, whole) for p in parts]
         per_run = sum(host_np.size * p.item_bytes * (p.layer_num if to_host else 1) for p in parts)
-        key = shape_key(to_host, parts, host_np, per_run)
-        if self.timings.busy(not to_host):
-            key = key + (DUPLEX,)  # the link is shared with a transfer the other way
-        candidates = ["kernel"]
-        if any(p is not None for p in dma_plans):
-            predicted = {
-                "kernel": self.predicted_seconds(parts, [None] * len(parts), host_np.size, to_host),
-                "dma": self.predicted_seconds(parts, dma_plans, host_np.size, to_host),
-            }
-            # Never try a candidate the prior expects to be far slower: one such
-            # transfer (thousands of tiny copies) can stall for a second.
-            fastest = min(predicted.values())
-            candidates = sorted((c for c, t in predicted.items() if t <= EXPLORE_WITHIN * fastest),
-                                key=predicted.get)
+        base = shape_key(to_host, parts, host_np, per_run)
+        # A transfer the other way shares the link: its samples are kept apart.
+        key = base + (DUPLEX,) if self.timings.busy(not to_host) else base
         self.timings.harvest(self.chooser)
+        dma_plans = None
+        candidates = self._candidates.get(base)
+        if candidates is None:  # first transfer of this shape: rank by the prior
+            dma_plans = [self.dma.plan_part(p, host_np, to_host, whole) for p in parts]
+            candidates = self._candidates[base] = self.ranked(parts, dma_plans, host_np.size, to_host)
         choice = self.chooser.pick(key, candidates)
-        plans = dma_plans if choice == "dma" else [None] * len(parts)
+        if choice == "dma":
+            # Plans are built only for a transfer that uses them (tens of ms for 32k scattered slots).
+            if dma_plans is None:
+                dma_plans = [self.dma.plan_part(p, host_np, to_host, whole) for p in parts]
+            plans = dma_plans
+        else:
+            plans = [None] * len(parts)
         self.last_choice = ["kernel" if p is None else "dma" for p in plans]
         inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota)
         device = parts[0].device_layers[0].device

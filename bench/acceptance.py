@@ -1,0 +1,55 @@
+"""Issue 3's acceptance, read from `kvtier bench transfer --json` rows.
+
+Usage: python bench/acceptance.py bench/results/transfer_h200.json [more.json ...]
+Later files replace earlier ones' rows of the same (kind, layout, page, direction, slots, backend).
+Prints, for every acceptance row, the best backend, its ratio and the target, and
+whether auto is within 5% of the best; then a markdown table for the README.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+TARGET_95 = {("mha", "layer_first"), ("mha", "page_first"), ("mla", "layer_first"), ("mla", "page_first")}
+
+
+def target(r) -> float | None:
+    if r["direction"] == "both":
+        return 1.5
+    if r["page_size"] not in (1, 64):
+        return None
+    if r["host_slots"] == "allocator" and (r["kind"], r["layout"]) in TARGET_95:
+        return 0.95
+    return 0.9
+
+
+def main(paths):
+    rows = {}
+    for p in paths:
+        for r in json.load(open(p)):
+            rows[(r["kind"], r["layout"], r["page_size"], r["direction"], r["host_slots"], r["backend"])] = r
+    cells = {}
+    for (k, lay, ps, d, s, b), r in rows.items():
+        if k != "all":
+            cells.setdefault((k, lay, ps, d, s), {})[b] = r
+    met = auto_ok = 0
+    lines = ["| kind, layout | page | slots | direction | kernel | dma | auto | target | met |",
+             "|---|---:|---|---|---:|---:|---:|---:|---|"]
+    for key, by in cells.items():
+        t = target(next(iter(by.values())))
+        best = max(by.values(), key=lambda r: r["ratio"])
+        ok = t is not None and best["ratio"] >= t
+        a = by.get("auto")
+        close = a is not None and a["gbps"] >= 0.95 * best["gbps"]
+        met += ok
+        auto_ok += close
+        f = lambda b: f"{by[b]['gbps']:.1f} ({by[b]['ratio']:.2f}x)" if b in by else "-"  # noqa: E731
+        lines.append(f"| {key[0].upper()} {key[1]} | {key[2]} | {key[4]} | {key[3]} | {f('kernel')} | {f('dma')} | "
+                     f"{f('auto')} | {t}x | {'yes' if ok else 'no'}{'' if close else ' (auto >5% below)'} |")
+    print("\n".join(lines))
+    print(f"\nrows meeting their target: {met}/{len(cells)}; auto within 5% of the best: {auto_ok}/{len(cells)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
