@@ -154,20 +154,20 @@ class DMABackend(Backend):
 
     @property
     def row_rates(self) -> dict[tuple, float]:
-        """Measured pitched-row rates so far: ``{(device, width, pitch): fraction of a contiguous copy}``."""
+        """Measured pitched-row rates so far: ``{(device, width, pitch, offset): fraction of a contiguous copy}``."""
         return dict(self._rates)
 
     def row_rate(self, part: TransferPart, width: int, pitch: int, offset: int = 0) -> float:
         """Host -> device bandwidth of rows ``width`` bytes wide and ``pitch`` apart from byte
         ``offset`` of the part, over a contiguous copy's.
 
-        Timed once per (device, width, pitch) by copying rows of this part's
+        Timed once per (device, width, pitch, offset) by copying rows of this part's
         host memory (read only) into a scratch buffer. Small copies flatter
         the copy engine, so this moves up to 64 MiB and blocks the host for
         a few milliseconds, once.
         """
         device = part.device_layers[0].device
-        key = (device.index, width, pitch, offset % 4096)
+        key = (device.index, width, pitch, offset)
         with self._rate_lock:
             if key not in self._rates:
                 self._rates[key] = _measure_row_rate(part.host_raw[offset:], device, width, pitch)
