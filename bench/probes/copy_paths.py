@@ -27,7 +27,7 @@ from kvtier.layouts import Placement
 from kvtier.memory import _register
 from kvtier.transfer import cudart
 from kvtier.transfer import triton_kernels as tk
-from kvtier.transfer.auto import _time as event_time  # warm-up, then the median of reps
+from kvtier.transfer.timing import event_seconds  # warm-up, then the median of reps
 
 MiB = 1 << 20
 PAYLOAD = 128 * MiB
@@ -40,7 +40,7 @@ def log(key, value):
 
 
 def gbps(nbytes, fn, reps=5):
-    return round(nbytes / event_time(fn, reps) / 1e9, 2)
+    return round(nbytes / event_seconds(fn, reps) / 1e9, 2)
 
 
 def registered(nbytes, huge: bool):

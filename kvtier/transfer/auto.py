@@ -26,6 +26,7 @@ from .dma import DMABackend
 from .dma_plan import DMAPlan
 from .kernel import KernelBackend, check_mapped
 from .online import DUPLEX, OnlineChooser, PendingTimings, shape_key
+from .timing import event_seconds
 from .triton_kernels import copy_items, layer_ptr_table
 
 WIDTHS = (256, 1024, 4096, 1 << 20)
@@ -58,19 +59,6 @@ class CostModel:
         return nbytes / self._bw(self.kernel_bw, to_host, pl.chunk_bytes)
 
 
-def _time(fn, reps: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return float(np.median(times))
-
-
 def calibrate(device: torch.device, kernel_blocks: int) -> CostModel:
     """Time each copy path on scratch buffers of ``CAL_BYTES`` (x2 for pitched rows)."""
     stream = torch.cuda.Stream(device)
@@ -96,9 +84,9 @@ def _calibrate(device: torch.device, kernel_blocks: int, s: int) -> CostModel:
                     memcpy2d(hp, pitch, dp, w, w, rows, s)
                 else:
                     memcpy2d(dp, w, hp, pitch, w, rows, s)
-            model.dma_bw[(to_host, w)] = rows * w / _time(dma)
+            model.dma_bw[(to_host, w)] = rows * w / event_seconds(dma)
             kpitch = w if w >= (1 << 20) else 2 * w
-            model.kernel_bw[(to_host, w)] = CAL_BYTES / _time(_kernel_probe(host, dev, w, kpitch, to_host, kernel_blocks))
+            model.kernel_bw[(to_host, w)] = CAL_BYTES / event_seconds(_kernel_probe(host, dev, w, kpitch, to_host, kernel_blocks))
         # The cost of one more copy, queued as the DMA backend queues them: many
         # small 1-D copies in one batch (0.3 us each on an H200), else one by one.
         n = 256
@@ -111,9 +99,9 @@ def _calibrate(device: torch.device, kernel_blocks: int, s: int) -> CostModel:
         def one_by_one():
             for a, b in pairs:
                 memcpy2d(a, 4096, b, 4096, 4096, 1, s)
-        model.per_call[to_host] = _time(one_by_one) / n
+        model.per_call[to_host] = event_seconds(one_by_one) / n
         if has_batch():
-            model.per_copy[to_host] = _time(lambda: memcpy_batch(dst, src, sizes, s)) / n
+            model.per_copy[to_host] = event_seconds(lambda: memcpy_batch(dst, src, sizes, s)) / n
         else:
             model.per_copy[to_host] = model.per_call[to_host]
     return model
@@ -191,19 +179,17 @@ class AutoBackend(Backend):
         # A transfer the other way shares the link: its samples are kept apart.
         key = base + (DUPLEX,) if self.timings.busy(not to_host) else base
         self.timings.harvest(self.chooser)
+        # DMA plans are built only when needed (tens of ms for 32k scattered slots).
         dma_plans = None
+
+        def planned():
+            return dma_plans or [self.dma.plan_part(p, host_np, to_host, whole) for p in parts]
         candidates = self._candidates.get(base)
         if candidates is None:  # first transfer of this shape: rank by the prior
-            dma_plans = [self.dma.plan_part(p, host_np, to_host, whole) for p in parts]
+            dma_plans = planned()
             candidates = self._candidates[base] = self.ranked(parts, dma_plans, host_np.size, to_host)
         choice = self.chooser.pick(key, candidates)
-        if choice == "dma":
-            # Plans are built only for a transfer that uses them (tens of ms for 32k scattered slots).
-            if dma_plans is None:
-                dma_plans = [self.dma.plan_part(p, host_np, to_host, whole) for p in parts]
-            plans = dma_plans
-        else:
-            plans = [None] * len(parts)
+        plans = planned() if choice == "dma" else [None] * len(parts)
         self.last_choice = ["kernel" if p is None else "dma" for p in plans]
         inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota)
         device = parts[0].device_layers[0].device

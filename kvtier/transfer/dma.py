@@ -29,8 +29,10 @@ import torch
 
 from .base import Backend, TransferPart
 from .cudart import has_batch, memcpy2d, memcpy_batch
-from .dma_plan import DMAPlan, GroupedPlan, choose_group, dma_capable, grouped_plan, plan, split_copies
+from .dma_plan import (DMAPlan, GroupedPlan, choose_group, dma_capable, grouped_plan, plan, run_class,
+                       split_copies)
 from .kernel import KernelBackend, PartTables, check_mapped, on_device
+from .timing import event_seconds
 from .triton_kernels import copy_items
 from ..validate import require_positive_int
 
@@ -141,9 +143,7 @@ class DMABackend(Backend):
         """
         if self.config.load_group:
             return min(self.config.load_group, part.layer_num), {}
-        n = max(int(host_np.size), 1)
-        runs = 1 + int(np.count_nonzero(np.diff(host_np) != 1)) if host_np.size else 1
-        key = (part.host, part.device_layers[0].device.index, n.bit_length(), (n // runs).bit_length())
+        key = (part.host, part.device_layers[0].device.index, int(host_np.size).bit_length(), run_class(host_np))
         if key in self._groups:
             return self._groups[key], {}
         group, built = choose_group(part.host, host_np, self.config.staging_bytes,
@@ -177,10 +177,10 @@ class DMABackend(Backend):
         self.run(parts, host_idx, dev_idx, None)
 
     def load(self, parts, host_idx, dev_idx, layer):
-        # One layer on its own: no group, whatever the layout.
-        self.prepare(parts, host_idx, dev_idx, False, whole=False)(layer)
+        self.run(parts, host_idx, dev_idx, layer)
 
     def run(self, parts, host_idx, dev_idx, layer) -> None:
+        # One layer on its own: no group, whatever the layout.
         self.prepare(parts, host_idx, dev_idx, layer is None, whole=False)(layer)
 
     def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None, whole: bool = True):
@@ -203,8 +203,8 @@ class DMABackend(Backend):
         h = on_device(host_idx, device) if any(p is None for p in plans) else None
         blocks = self.fallback._blocks(block_quota)
         joined = [False]  # a load's copy stream joins the caller's stream once per transfer
-        if plans and not isinstance(plans[0], DMAPlan):
-            self.last_groups = [p.group if p is not None else 1 for p in plans]
+        if any(isinstance(p, GroupedPlan) for p in plans):
+            self.last_groups = [p.group if isinstance(p, GroupedPlan) else 1 for p in plans]
 
         def run(layer):
             used = 0
@@ -214,11 +214,7 @@ class DMABackend(Backend):
                     continue
                 if layer is None:
                     self.run_part(part, p, d, None)
-                else:
-                    n = p.issue_at(layer)
-                    if n == 0:
-                        used = max(used, self.config.gather_blocks)
-                        continue  # moved with its group's first layer
+                elif n := p.issue_at(layer):  # 0: moved with its group's first layer
                     self.run_part(part, p.plans[n], d, layer, join=not joined[0], n_layers=n)
                     joined[0] = True
                 used = max(used, self.config.gather_blocks)
@@ -314,19 +310,8 @@ def _measure_row_rate(host_raw: torch.Tensor, device: torch.device, width: int, 
     stream = torch.cuda.Stream(device)
     src, dst = host_raw.data_ptr(), scratch.data_ptr()
 
-    def timed(fn) -> float:
-        times = []
-        with torch.cuda.stream(stream):
-            for i in range(4):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record(stream)
-                fn()
-                b.record(stream)
-                b.synchronize()
-                if i:  # the first is a warm-up
-                    times.append(a.elapsed_time(b))
-        return float(np.median(times))
     s = stream.cuda_stream
-    pitched = timed(lambda: memcpy2d(dst, width, src, pitch, width, rows, s))
-    flat = timed(lambda: memcpy2d(dst, nbytes, src, nbytes, nbytes, 1, s))
+    with torch.cuda.stream(stream):
+        pitched = event_seconds(lambda: memcpy2d(dst, width, src, pitch, width, rows, s))
+        flat = event_seconds(lambda: memcpy2d(dst, nbytes, src, nbytes, nbytes, 1, s))
     return flat / pitched if pitched > 0 else 1.0

@@ -10,6 +10,7 @@ it is tested on the CPU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,12 @@ def whole_pages(host_idx: np.ndarray, page_size: int) -> bool:
         return False
     pages = host_idx.reshape(-1, page_size)
     return bool((pages[:, 0] % page_size == 0).all() and (np.diff(pages, axis=1) == 1).all())
+
+
+def run_class(host_idx: np.ndarray) -> int:
+    """log2 of the mean length of the runs of consecutive slots: what decides how copies split."""
+    runs = 1 + int(np.count_nonzero(np.diff(host_idx) != 1)) if host_idx.size else 1
+    return int(math.log2(max(host_idx.size / runs, 1)))
 
 
 def dma_capable(pl: Placement, host_idx: np.ndarray) -> bool:
@@ -125,10 +132,6 @@ class DMAPlan:
     @property
     def staging_bytes(self) -> int:
         return self.staging.total_bytes
-
-    @property
-    def n_copies(self) -> int:
-        return len(self.copies)
 
     @property
     def n_calls(self) -> int:
@@ -269,16 +272,13 @@ class GroupedPlan:
         return min(self.group, self.layer_num - layer)
 
     @property
-    def n_copies(self) -> float:
-        """Copies per layer."""
-        return self.plans[self.group].n_copies / self.group
-
-    @property
     def n_calls(self) -> float:
+        """Pitched copies per layer."""
         return self.plans[self.group].n_calls / self.group
 
     @property
     def n_flat(self) -> float:
+        """1-D copies per layer."""
         return self.plans[self.group].n_flat / self.group
 
     @property

@@ -19,14 +19,14 @@ from statistics import median
 
 import numpy as np
 
+from .dma_plan import run_class
+
 
 def shape_key(to_host: bool, parts, host_np: np.ndarray, nbytes: int) -> tuple:
     """What makes one transfer behave like another for backend choice."""
     geometry = tuple((p.host.page_size, p.host.token, p.host.chunk_bytes, p.host.n_chunks, p.item_bytes)
                      for p in parts)
-    runs = 1 + int(np.count_nonzero(np.diff(host_np) != 1)) if host_np.size else 1
-    run_class = int(math.log2(max(host_np.size / runs, 1)))
-    return (to_host, geometry, int(math.log2(max(nbytes, 1))), run_class)
+    return (to_host, geometry, int(math.log2(max(nbytes, 1))), run_class(host_np))
 
 
 @dataclass
