@@ -200,7 +200,7 @@ class HostKVCache:
             )
         if not self.validate_indices or h.numel() == 0:
             return h, d
-        hc, dc = h.to("cpu").numpy(), d.to("cpu").numpy()
+        hc, dc = _numpy(h), _numpy(d)
         _check_range(hc, self.size, "host_indices", "host pool")
         _check_range(dc, device_pool.size, "device_indices", "device pool")
         if self.KIND == DSA and self.page_size > 1:
@@ -463,6 +463,13 @@ def _as_index_tensor(values, name: str) -> torch.Tensor:
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
         raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
     return t if t.dtype == torch.int64 else t.to(torch.int64)
+
+
+def _numpy(idx: torch.Tensor) -> np.ndarray:
+    if idx.device.type == "cuda":  # read back by a kernel, not queued behind bulk copies
+        from .transfer.kernel import host_numpy
+        return host_numpy(idx)
+    return idx.numpy()
 
 
 def _check_range(idx: np.ndarray, size: int, name: str, what: str) -> None:

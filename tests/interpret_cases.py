@@ -23,7 +23,7 @@ triton = pytest.importorskip("triton")
 
 from kvtier.layouts import LAYOUTS, SUPPORTED  # noqa: E402
 from kvtier.spec import KVSpec  # noqa: E402
-from kvtier.transfer.dma_plan import compact, dma_capable, grouped_plan, plan, split_copies  # noqa: E402
+from kvtier.transfer.dma_plan import compact, dma_capable, grouped_plan, plan  # noqa: E402
 from kvtier.transfer.triton_kernels import copy_items, layer_ptr_table  # noqa: E402
 
 SPECS = [
@@ -47,11 +47,11 @@ def _reference(pl, host, dev, h, d, layers):
                 host[off:off + pl.chunk_bytes] = dev[l, ds, c * pl.chunk_bytes:(c + 1) * pl.chunk_bytes]
 
 
-def _memmove_copies(copies, host_base, stg_base, to_host, max_pitch=1 << 40):
-    """Play the copy engine: pitched rows row by row, then the flat 1-D copies (as batched)."""
-    tall, flat = split_copies(copies, max_pitch)
+def _memmove_copies(p, i, host_base, stg_base, to_host):
+    """Play the copy engine for chunk ``i``: pitched rows row by row, then the flat 1-D copies (as batched)."""
+    tall, flat = p.calls(i)
     rows = [(h + r * hp, st + r * sp, w) for h, st, w, height, hp, sp in tall.tolist() for r in range(height)]
-    for h, st, w in rows + list(zip(*(a.tolist() for a in flat))):
+    for h, st, w in rows + [tuple(f) for f in flat.tolist()]:
         hs, ss = host_base + h, stg_base + st
         ctypes.memmove(hs, ss, w) if to_host else ctypes.memmove(ss, hs, w)
 
@@ -91,12 +91,12 @@ def test_kernel_and_dma_plan_match_reference(case):
         # DMA: gather into staging, then the planned copies (backup) ...
         if dma_capable(pl, h):
             host2 = torch.full_like(ref, 0xA5)
-            p = plan(pl, h, L, stage_kib * 1024)
+            p = plan(pl, h, L, stage_kib * 1024, max_pitch)
             stg = torch.empty(p.staging_bytes, dtype=torch.uint8)
             for i in range(p.n_chunks):
-                j0, m, copies = p.chunk(i)
+                j0, m, _ = p.chunk(i)
                 copy_items(p.staging, stg, layers, ptrs, None, dt, j0, m, 0, L, True, 8)
-                _memmove_copies(copies, host2.data_ptr(), stg.data_ptr(), True, max_pitch)
+                _memmove_copies(p, i, host2.data_ptr(), stg.data_ptr(), True)
             assert torch.equal(host2, ref)
         # ... and per-layer loads back into a poisoned device, by kernel and by DMA
         # (``group`` adjacent layers per copy, issued at each group's first layer).
@@ -106,7 +106,7 @@ def test_kernel_and_dma_plan_match_reference(case):
             out = torch.full_like(dev, 0x5A)
             olayers = tuple(out.unbind(0))
             optrs = layer_ptr_table(olayers, "cpu")
-            gp = grouped_plan(pl, h, min(group, L), stage_kib * 1024)
+            gp = grouped_plan(pl, h, min(group, L), stage_kib * 1024, max_pitch=max_pitch)
             for l in range(L):
                 buf = ref[l * pl.layer_stride:]
                 if not use_dma:
@@ -118,8 +118,8 @@ def test_kernel_and_dma_plan_match_reference(case):
                 p = gp.plans[n]
                 stg = torch.empty(p.staging_bytes, dtype=torch.uint8)
                 for i in range(p.n_chunks):
-                    j0, m, copies = p.chunk(i)
-                    _memmove_copies(copies, buf.data_ptr(), stg.data_ptr(), False, max_pitch)
+                    j0, m, _ = p.chunk(i)
+                    _memmove_copies(p, i, buf.data_ptr(), stg.data_ptr(), False)
                     copy_items(p.staging, stg, olayers, optrs, None, dt, j0, m, l, n, False, 8)
             assert torch.equal(out[:, d], dev[:, d])
             rest = np.setdiff1d(np.arange(dsize), d)

@@ -194,3 +194,60 @@ def test_auto_files_concurrent_samples_under_duplex_keys():
     keys = [k for k, v in eng.backend.chooser.samples.items() if any(v.values())]
     assert any(k[-1] == DUPLEX and k[0] for k in keys) and any(k[-1] == DUPLEX and not k[0] for k in keys), keys
     host.close()
+
+
+@pytest.mark.parametrize("idx_device", ["cpu", "cuda"])
+def test_a_backup_queued_behind_a_long_load_is_not_held_up_by_it(idx_device):
+    """The copy engine runs queued copies in order. A load queues ~2 GiB of host -> device
+    copies; a small backup of other slots issued after it must neither block the host nor
+    wait on the GPU for the load (its index tensors once went through that same queue)."""
+    spec = KVSpec("mha", 16, torch.bfloat16, head_num=8, head_dim=128)  # 64 KiB per token
+    tokens = 32768
+    dev, host = _pools(spec, 1, "layer_first", tokens=tokens)
+    eng = TransferEngine(host, "dma")
+    h = torch.arange(tokens)
+    eng.backup(h, h).synchronize()  # warm: plans, staging, kernels
+    small_h = torch.arange(tokens, tokens + 64, device=idx_device)
+    small_d = torch.arange(2 * tokens - 64, 2 * tokens, device=idx_device)
+    for _ in range(2):
+        torch.cuda.synchronize()
+        ld = eng.load(h, h)
+        hd = eng.backup(small_h, small_d)
+        returned_while_loading = not ld.done()
+        hd.synchronize()
+        backup_done_first = not ld.done()
+        ld.synchronize()
+    assert returned_while_loading and backup_done_first
+    ref = {k: st[:, small_d.to("cuda")].clone() for k, st in dev.stacks.items()}
+    for k, st in dev.stacks.items():
+        st[:, small_d.to("cuda")] = 0
+    ld = eng.load(small_h, small_d)
+    ld.synchronize()
+    for k, st in dev.stacks.items():
+        assert torch.equal(_b(st[:, small_d.to("cuda")]), _b(ref[k]))
+    host.close()
+
+
+def test_dma_load_group_is_chosen_by_timed_trials():
+    """With load_group=0 a page-major load times trial loads on scratch memory, once per shape."""
+    from kvtier.transfer.dma import DMABackend
+    from kvtier.transfer.dma_plan import group_sizes
+    spec = KVSpec("mha", 16, torch.bfloat16, head_num=8, head_dim=128)
+    dev, host = _pools(spec, 1, "page_first", tokens=8192)
+    eng = TransferEngine(host, "dma")
+    eng.backend = DMABackend()
+    h = torch.arange(8192)
+    eng.backup(h, h).synchronize()
+    before = {k: st[:, :8192].clone() for k, st in dev.stacks.items()}
+    d2 = h + 8192
+    eng.load(h, d2).synchronize()
+    rates = eng.backend.group_rates
+    assert rates and all(r > 0 for r in rates.values())
+    assert {k[-1] for k in rates} <= set(group_sizes(16)) and max(k[-1] for k in rates) == 16
+    assert set(eng.backend.last_groups) <= set(group_sizes(16))
+    for k, st in dev.stacks.items():
+        assert torch.equal(_b(st[:, 8192:]), _b(before[k]))
+    n = len(rates)
+    eng.load(h, d2).synchronize()
+    assert len(eng.backend.group_rates) == n  # decided once
+    host.close()

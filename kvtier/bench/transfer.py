@@ -282,9 +282,10 @@ def transfer(tokens, reps, backends, kinds, page_sizes, quick, verbose, json_pat
     rows = run_bench(tokens, reps, tuple(backends), kinds, page_sizes, layers, on_row=save)
     if verbose and torch.cuda.is_available():
         from ..transfer.base import get_backend
-        for (_, width, pitch, off), rate in sorted(get_backend("dma", torch.device("cuda")).row_rates.items()):
-            click.echo(f"copy engine, rows {width} B wide {pitch} B apart (+{off}): {rate:.2f}x a contiguous copy",
-                       err=True)
+        for key, rate in get_backend("dma", torch.device("cuda")).group_rates.items():
+            pl, group = key[0], key[-1]
+            click.echo(f"trial load, {pl.layer_num} layers of {pl.chunk_bytes} B rows {pl.token} B apart, "
+                       f"{2 ** key[2] // 2}+ slots, {group} layers per copy: {rate:.1f} GB/s", err=True)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     click.echo(f"\n{dev}, {tokens} tokens per transfer; cells are GB/s and ratio to the contiguous limit")
     click.echo(table(rows))

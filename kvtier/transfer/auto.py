@@ -24,7 +24,7 @@ from .base import Backend, TransferPart
 from .cudart import has_batch, memcpy2d, memcpy_batch
 from .dma import DMABackend
 from .dma_plan import DMAPlan
-from .kernel import KernelBackend, check_mapped
+from .kernel import KernelBackend, check_mapped, host_numpy
 from .online import DUPLEX, OnlineChooser, PendingTimings, shape_key
 from .timing import event_seconds
 from .triton_kernels import copy_items, layer_ptr_table
@@ -173,7 +173,7 @@ class AutoBackend(Backend):
         """
         for part in parts:
             check_mapped(part)
-        host_np = host_idx.to("cpu").numpy()
+        host_np = host_numpy(host_idx)
         per_run = sum(host_np.size * p.item_bytes * (p.layer_num if to_host else 1) for p in parts)
         base = shape_key(to_host, parts, host_np, per_run)
         # A transfer the other way shares the link: its samples are kept apart.

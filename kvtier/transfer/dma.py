@@ -15,25 +15,29 @@ where one layer of a token is a short row between the other layers' rows,
 copies several adjacent layers at once: on an H200 the copy engine moves
 2 KiB rows spaced 64 KiB apart at 61% of a contiguous copy, and 32 KiB rows
 at 100% (``bench/results/probe_copy_paths_h200.json``). How many layers is
-measured once per row geometry (:meth:`DMABackend.row_rate`), not guessed;
+measured once per layout, size and run length by timing trial loads
+(:meth:`DMABackend.load_group`), not guessed from the rows alone;
 ``DMAConfig.load_group`` overrides it (1 = strictly one layer at a time).
+
+Small index tensors reach the device through a kernel, not the copy engine
+(:func:`.kernel.on_device`): behind a load's queued host -> device copies,
+an index copy would hold a backup up until the whole load had finished.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from .base import Backend, TransferPart
 from .cudart import has_batch, memcpy2d, memcpy_batch
-from .dma_plan import (DMAPlan, GroupedPlan, choose_group, dma_capable, grouped_plan, plan, run_class,
-                       split_copies)
-from .kernel import KernelBackend, PartTables, check_mapped, on_device
+from .dma_plan import DMAPlan, GroupedPlan, choose_group, dma_capable, grouped_plan, plan, run_class
+from .kernel import KernelBackend, PartTables, check_mapped, host_numpy, on_device
 from .timing import event_seconds
-from .triton_kernels import copy_items
+from .triton_kernels import WordPlan, copy_items
 from ..validate import require_positive_int
 
 MiB = 1 << 20
@@ -43,26 +47,29 @@ MiB = 1 << 20
 class DMAConfig:
     """How the DMA backend stages and queues copies.
 
-    ``staging_bytes`` per buffer, ``buffers`` per direction, ``gather_blocks``
-    per gather or scatter kernel. ``load_group``: adjacent layers a load from
-    a page-major layout copies at once; 0 measures the fewest that keep the
-    copy engine at ``group_target`` of a contiguous copy with copies of
-    ``min_copy_bytes`` on average, 1 keeps loads strictly layer by layer
-    (finest overlap with the forward pass).
-    ``batch_min``: a chunk with at least this many 1-D copies queues them in
-    one batched call.
+    ``staging_bytes`` per buffer, ``buffers`` per direction (device memory:
+    ``2 * buffers * staging_bytes`` at most). Fewer, larger chunks cost the
+    host less to queue (H200, 4 GiB: 22 ms at 32 MiB, 10 ms at 128 MiB), which
+    matters when a backup and a load are queued back to back.
+    ``gather_blocks``: SMs per gather or scatter kernel; at 16 a scatter of
+    1-2 KiB items ran at 66 GB/s, barely ahead of PCIe, at 48 at 160 GB/s
+    (``bench/results/probe_host_issue_h200.json``); the kernels run in bursts
+    between copies. ``load_group``: adjacent layers a load from a page-major
+    layout copies at once; 0 measures the fewest whose load runs at
+    ``group_target`` of all layers at once, 1 keeps loads strictly layer by
+    layer (finest overlap with the forward pass). ``batch_min``: a chunk with
+    at least this many 1-D copies queues them in one batched call.
     """
 
-    staging_bytes: int = 32 * MiB
+    staging_bytes: int = 64 * MiB
     buffers: int = 3
-    gather_blocks: int = 16
+    gather_blocks: int = 48
     load_group: int = 0
     group_target: float = 0.97
-    min_copy_bytes: int = 256 * 1024
     batch_min: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("staging_bytes", "buffers", "gather_blocks", "batch_min", "min_copy_bytes"):
+        for name in ("staging_bytes", "buffers", "gather_blocks", "batch_min"):
             require_positive_int(f"DMAConfig.{name}", getattr(self, name))
         if self.buffers < 2:
             raise ValueError(f"DMAConfig.buffers must be >= 2 so copies and kernels overlap, got {self.buffers}")
@@ -111,7 +118,7 @@ class DMABackend(Backend):
         self._rings: dict[tuple[int, bool], StagingRing] = {}
         self._rates: dict[tuple, float] = {}
         self._groups: dict[tuple, int] = {}
-        self._rate_lock = threading.Lock()
+        self._rate_lock = threading.RLock()
         self.last_blocks = 0
         self.last_groups: list[int] = []  # layers per copy of the last load's parts (1 = per layer)
 
@@ -133,45 +140,58 @@ class DMABackend(Backend):
             return None
         if to_host:
             return plan(part.host, host_np, part.layer_num, self.config.staging_bytes)
-        group, built = self.load_group(part, host_np) if whole else (1, {})
-        return grouped_plan(part.host, host_np, group, self.config.staging_bytes, built)
+        group = self.load_group(part, host_np) if whole else 1
+        return grouped_plan(part.host, host_np, group, self.config.staging_bytes)
 
-    def load_group(self, part: TransferPart, host_np: np.ndarray) -> tuple[int, dict]:
-        """Layers per copy for loading ``host_np`` (and the plans built deciding it).
+    def load_group(self, part: TransferPart, host_np: np.ndarray) -> int:
+        """Layers per copy for loading ``host_np``.
 
-        Decided once per placement, size class and run-length class, then reused.
+        Decided once per placement, device, size class and run-length class
+        by timing trial loads (:meth:`trial_rate`), then reused.
         """
         if self.config.load_group:
-            return min(self.config.load_group, part.layer_num), {}
+            return min(self.config.load_group, part.layer_num)
         key = (part.host, part.device_layers[0].device.index, int(host_np.size).bit_length(), run_class(host_np))
-        if key in self._groups:
-            return self._groups[key], {}
-        group, built = choose_group(part.host, host_np, self.config.staging_bytes,
-                                    lambda w, p, off: self.row_rate(part, w, p, off), self.config.group_target,
-                                    self.config.min_copy_bytes)
-        self._groups[key] = group
-        return group, built
+        with self._rate_lock:
+            if key not in self._groups:
+                self._groups[key] = choose_group(part.host, lambda g: self.trial_rate(key, part, host_np, g),
+                                                 self.config.group_target)
+            return self._groups[key]
 
     @property
-    def row_rates(self) -> dict[tuple, float]:
-        """Measured pitched-row rates so far: ``{(device, width, pitch, offset): fraction of a contiguous copy}``."""
+    def group_rates(self) -> dict[tuple, float]:
+        """Trial load speeds measured so far: ``{(layout key..., layers per copy): GB/s}``."""
         return dict(self._rates)
 
-    def row_rate(self, part: TransferPart, width: int, pitch: int, offset: int = 0) -> float:
-        """Host -> device bandwidth of rows ``width`` bytes wide and ``pitch`` apart from byte
-        ``offset`` of the part, over a contiguous copy's.
+    def trial_rate(self, key: tuple, part: TransferPart, host_np: np.ndarray, group: int,
+                   payload: int = 256 * MiB) -> float:
+        """GB/s of a per-layer load of the first slots of ``host_np`` (up to ``payload`` bytes),
+        ``group`` layers per copy, into scratch device memory.
 
-        Timed once per (device, width, pitch, offset) by copying rows of this part's
-        host memory (read only) into a scratch buffer. Small copies flatter
-        the copy engine, so this moves up to 64 MiB and blocks the host for
-        a few milliseconds, once.
+        Runs on its own stream and staging (a throwaway backend), so it neither
+        touches the device pool nor waits behind queued transfers (though it
+        shares the copy engines with any in flight). Blocks the host for the
+        trial: a few milliseconds, once per layout key.
         """
+        pl, layers = part.host, part.layer_num
+        per_slot = layers * pl.item_bytes
+        n = min(host_np.size, max(pl.page_size, payload // per_slot // pl.page_size * pl.page_size))
         device = part.device_layers[0].device
-        key = (device.index, width, pitch, offset)
-        with self._rate_lock:
-            if key not in self._rates:
-                self._rates[key] = _measure_row_rate(part.host_raw[offset:], device, width, pitch)
-            return self._rates[key]
+        scratch = torch.empty((layers, n, pl.item_bytes), dtype=torch.uint8, device=device)
+        trial_part = TransferPart(part.name, part.host_raw, pl, tuple(scratch.unbind(0)))
+        trial = DMABackend(replace(self.config, load_group=group), self.fallback)
+        h = torch.from_numpy(np.ascontiguousarray(host_np[:n]))
+        d = torch.arange(n, dtype=torch.int64, device=device)
+        stream = torch.cuda.Stream(device)
+
+        def load():
+            run = trial.prepare([trial_part], h, d, False)
+            for layer in range(layers):
+                run(layer)
+        with torch.cuda.stream(stream):
+            rate = n * per_slot / event_seconds(load, reps=2) / 1e9
+        self._rates[key + (group,)] = rate
+        return rate
 
     def backup(self, parts, host_idx, dev_idx, block_quota=None):
         self.run(parts, host_idx, dev_idx, None)
@@ -193,7 +213,7 @@ class DMABackend(Backend):
         """
         for part in parts:
             check_mapped(part)
-        host_np = host_idx.to("cpu").numpy()
+        host_np = host_numpy(host_idx)
         plans = [self.plan_part(p, host_np, to_host, whole) for p in parts]
         return self.runner(parts, plans, host_idx, dev_idx, block_quota)
 
@@ -245,73 +265,55 @@ class DMABackend(Backend):
                 ring.side.wait_stream(cur)
             if to_host:
                 d.record_stream(ring.side)
+            wp = None  # the same for every staging buffer (all 256-byte aligned): worked out once
             for i in range(p.n_chunks):
-                j0, m, copies = p.chunk(i)
+                j0, m, _ = p.chunk(i)
+                tall, flat = p.calls(i)
                 slot = ring.take(p.staging_bytes)
+                wp = wp or WordPlan.for_copy(p.staging, slot.buf, part.device_layers)
                 if to_host:
-                    self._gather(ring, slot, p, part, ptrs, d, j0, m, n_layers)
+                    self._gather(ring, slot, p, part, ptrs, d, j0, m, n_layers, wp)
                     cur.wait_event(slot.ready)
-                    _issue(copies, host_base, slot.buf.data_ptr(), to_host, cur.cuda_stream, batch)
+                    _issue(tall, flat, host_base, slot.buf.data_ptr(), to_host, cur.cuda_stream, batch)
                     slot.free.record(cur)
                 else:
                     ring.side.wait_event(slot.free)
-                    _issue(copies, host_base, slot.buf.data_ptr(), to_host, ring.side.cuda_stream, batch)
+                    _issue(tall, flat, host_base, slot.buf.data_ptr(), to_host, ring.side.cuda_stream, batch)
                     slot.ready.record(ring.side)
                     cur.wait_event(slot.ready)
                     copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, layer, n_layers,
-                               False, self.config.gather_blocks)
+                               False, self.config.gather_blocks, wp)
                     slot.free.record(cur)
 
-    def _gather(self, ring, slot, p, part, ptrs, d, j0, m, n_layers) -> None:
+    def _gather(self, ring, slot, p, part, ptrs, d, j0, m, n_layers, wp) -> None:
         side = ring.side
         side.wait_event(slot.free)
         with torch.cuda.stream(side):
             copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, 0, n_layers,
-                       True, self.config.gather_blocks)
+                       True, self.config.gather_blocks, wp)
         slot.ready.record(side)
 
 
-# cudaMemcpy2D refuses pitches past the device's memPitch (2^31 - 1 on current GPUs).
-_MAX_PITCH = (1 << 31) - 1
-
-
-def _issue(copies: np.ndarray, host_base: int, stg_base: int, to_host: bool, stream: int,
+def _issue(tall: np.ndarray, flat: np.ndarray, host_base: int, stg_base: int, to_host: bool, stream: int,
            batch_min: int = 8) -> None:
-    """Queue a chunk's copies between staging and host on ``stream``.
+    """Queue a chunk's copies between staging and host on ``stream`` (:meth:`DMAPlan.calls`).
 
-    Rows are ``(host_off, stg_off, width, height, host_pitch, stg_pitch)``.
-    Pitched rows go one ``cudaMemcpy2DAsync`` each; 1-D copies (and rows
-    whose pitch the 2-D call refuses, split into 1-D copies) go in one
-    batched call when there are ``batch_min`` or more and the runtime has it.
+    Pitched rows ``(host_off, stg_off, width, height, host_pitch, stg_pitch)`` go
+    one ``cudaMemcpy2DAsync`` each; 1-D copies ``(host_off, stg_off, width)`` go
+    in one batched call when there are ``batch_min`` or more and the runtime has it.
     """
-    tall, (h_off, s_off, width) = split_copies(copies, _MAX_PITCH)
     for h, st, w, height, hp, sp in tall.tolist():
         if to_host:
             memcpy2d(host_base + h, hp, stg_base + st, sp, w, height, stream)
         else:
             memcpy2d(stg_base + st, sp, host_base + h, hp, w, height, stream)
-    if not len(width):
+    if not len(flat):
         return
-    host, stg = h_off.astype(np.uint64) + np.uint64(host_base), s_off.astype(np.uint64) + np.uint64(stg_base)
+    host = flat[:, 0].astype(np.uint64) + np.uint64(host_base)
+    stg = flat[:, 1].astype(np.uint64) + np.uint64(stg_base)
     dst, src = (host, stg) if to_host else (stg, host)
-    if len(width) >= batch_min and stream != 0 and has_batch():
-        memcpy_batch(dst, src, width.astype(np.uint64), stream)
+    if len(flat) >= batch_min and stream != 0 and has_batch():
+        memcpy_batch(dst, src, flat[:, 2].astype(np.uint64), stream)
         return
-    for a, b, w in zip(dst.tolist(), src.tolist(), width.tolist()):
+    for a, b, w in zip(dst.tolist(), src.tolist(), flat[:, 2].tolist()):
         memcpy2d(a, w, b, w, w, 1, stream)
-
-
-def _measure_row_rate(host_raw: torch.Tensor, device: torch.device, width: int, pitch: int,
-                      payload: int = 64 * MiB) -> float:
-    """Timed pitched host -> device copies over a contiguous copy of the same bytes (median of 3)."""
-    rows = max(1, min(payload // width, host_raw.numel() // pitch))
-    nbytes = rows * width
-    scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    stream = torch.cuda.Stream(device)
-    src, dst = host_raw.data_ptr(), scratch.data_ptr()
-
-    s = stream.cuda_stream
-    with torch.cuda.stream(stream):
-        pitched = event_seconds(lambda: memcpy2d(dst, width, src, pitch, width, rows, s))
-        flat = event_seconds(lambda: memcpy2d(dst, nbytes, src, nbytes, nbytes, 1, s))
-    return flat / pitched if pitched > 0 else 1.0

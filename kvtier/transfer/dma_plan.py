@@ -116,7 +116,10 @@ class DMAPlan:
     ``copies[c_lo[i]:c_lo[i+1]]`` are chunk ``i``'s copies; host offsets are
     relative to the first byte of the (first) layer moved; staging offsets to
     the staging buffer. ``staging`` is the staging placement the gather or
-    scatter kernel addresses.
+    scatter kernel addresses. The copies are also kept as the runtime calls
+    that queue them (:func:`split_copies`, done once for the whole plan):
+    ``tall[t_lo[i]:t_lo[i+1]]`` pitched rows and ``flat[f_lo[i]:f_lo[i+1]]``
+    1-D copies ``(host_off, stg_off, width)``.
     """
 
     staging: Placement
@@ -124,6 +127,10 @@ class DMAPlan:
     n_items: int
     copies: np.ndarray
     c_lo: np.ndarray
+    tall: np.ndarray
+    t_lo: np.ndarray
+    flat: np.ndarray
+    f_lo: np.ndarray
 
     @property
     def n_chunks(self) -> int:
@@ -136,12 +143,12 @@ class DMAPlan:
     @property
     def n_calls(self) -> int:
         """Pitched copies (one runtime call each)."""
-        return int(np.count_nonzero(self.copies[:, 3] > 1))
+        return len(self.tall)
 
     @property
     def n_flat(self) -> int:
         """1-D copies (queued in batches)."""
-        return int(np.count_nonzero(self.copies[:, 3] == 1))
+        return len(self.flat)
 
     @property
     def min_width(self) -> int:
@@ -152,13 +159,20 @@ class DMAPlan:
         j0 = i * self.slots
         return j0, min(self.slots, self.n_items - j0), self.copies[self.c_lo[i]:self.c_lo[i + 1]]
 
+    def calls(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk ``i``'s pitched rows and 1-D copies."""
+        return self.tall[self.t_lo[i]:self.t_lo[i + 1]], self.flat[self.f_lo[i]:self.f_lo[i + 1]]
 
-def plan(pl: Placement, host_idx: np.ndarray, layers: int, staging_bytes: int) -> DMAPlan:
+
+def plan(pl: Placement, host_idx: np.ndarray, layers: int, staging_bytes: int,
+         max_pitch: int | None = None) -> DMAPlan:
     """Plan moving host slots ``host_idx`` (in transfer order) for ``layers`` layers.
 
     Preconditions: :func:`dma_capable`. The staging buffer holds at least one
     page of every layer moved, even if that exceeds ``staging_bytes``.
+    ``max_pitch``: the widest pitch a 2-D call takes (default: the runtime's).
     """
+    max_pitch = max_pitch or MAX_PITCH
     ps = pl.page_size
     per_slot = layers * pl.item_bytes
     slots = max(ps, (staging_bytes // per_slot) // ps * ps)
@@ -187,8 +201,14 @@ def plan(pl: Placement, host_idx: np.ndarray, layers: int, staging_bytes: int) -
     owner_all = np.concatenate(owner) if owner else np.zeros(0, np.int64)
     order = np.argsort(owner_all, kind="stable")
     n_chunks = -(-n // slots)
-    c_lo = np.searchsorted(owner_all[order], np.arange(n_chunks + 1))
-    return DMAPlan(stg, slots, n, copies[order], c_lo)
+    copies, owner_all = copies[order], owner_all[order]
+    bounds = np.arange(n_chunks + 1)
+    is_tall = tall_rows(copies, max_pitch)
+    tall, (h_off, s_off, width) = split_copies(copies, max_pitch)
+    flat_owner = np.repeat(owner_all[~is_tall], copies[~is_tall, 3])
+    return DMAPlan(stg, slots, n, copies, np.searchsorted(owner_all, bounds), tall,
+                   np.searchsorted(owner_all[is_tall], bounds), np.stack([h_off, s_off, width], axis=1),
+                   np.searchsorted(flat_owner, bounds))
 
 
 def _offsets(pl: Placement, slots: np.ndarray) -> np.ndarray:
@@ -214,43 +234,29 @@ def group_sizes(layer_num: int) -> list[int]:
     return out + [layer_num]
 
 
-# Queued in a batch, a 1-D copy costs about half a runtime call: ~0.3 us of host time but
-# ~0.8-1.9 us of copy-engine time, vs 2.1-3.5 us a call (H200, bench/results/probe_copy_paths_h200.json).
-BATCHED_PER_CALL = 2
+def choose_group(pl: Placement, load_rate, target: float) -> int:
+    """The fewest adjacent layers a load must copy at once to run near its best speed.
 
-
-def plan_pitch(p: DMAPlan) -> int:
-    """The widest host pitch among a plan's pitched copies (0 when every copy is one run)."""
-    tall = p.copies[:, 3] > 1
-    return int(p.copies[tall, 4].max()) if tall.any() else 0
-
-
-def choose_group(pl: Placement, host_idx: np.ndarray, staging_bytes: int, row_rate, target: float,
-                 min_copy_bytes: int) -> tuple[int, dict]:
-    """The fewest adjacent layers a load must copy at once for the copy engine to keep pace.
-
-    A group qualifies when its plan's narrowest rows, at their pitch, move at
-    ``target`` of a contiguous copy by ``row_rate(width, pitch, offset)`` (measured,
-    from the first and from the second group's first byte)
-    and its copies average ``min_copy_bytes`` (each copy costs the host a
-    runtime call). Layouts whose layer rows are already long get 1 (strictly
-    one layer at a time). Returns the group and the plans built on the way
-    (by layer count), so the chosen one is not built twice.
+    ``load_rate(g)`` is the measured speed of a load copying ``g`` layers at a
+    time (what decides it is the copy engine's speed on the rows, the pitch
+    and start of the rows, the host's cost per copy and the scatter kernels
+    running beside the copies, so it is timed whole, not modelled). Groups
+    are tried from all layers down, halving, and the smallest whose speed is
+    at least ``target`` of all layers' wins: one trial per power of two, and
+    none of the slowest (smallest) groups once a larger one has failed.
+    Layouts whose layer rows are already long get 1 (strictly one layer at a
+    time) without a trial.
     """
-    plans: dict = {}
     if not narrow_layer_rows(pl):
-        return 1, plans
-    for g in group_sizes(pl.layer_num):
-        p = plans[g] = plan(pl, host_idx, g, staging_bytes)
-        pitch = plan_pitch(p)
-        # Rows starting at layer 0 and at layer g: the copy engine's speed depends on alignment
-        # (H200: 8 KiB rows 64 KiB apart, 99.6% from layer 0, 90% from layer 4).
-        fast = pitch == 0 or min(row_rate(p.min_width, pitch, off * pl.layer_stride)
-                                 for off in {0, g % pl.layer_num}) >= target
-        calls = p.n_calls + p.n_flat / BATCHED_PER_CALL
-        if fast and host_idx.size * g * pl.item_bytes >= min_copy_bytes * max(calls, 1):
-            return g, plans
-    return pl.layer_num, plans
+        return 1
+    sizes = group_sizes(pl.layer_num)
+    best = load_rate(sizes[-1])
+    chosen = sizes[-1]
+    for g in reversed(sizes[:-1]):
+        if load_rate(g) < target * best:
+            break
+        chosen = g
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -287,12 +293,22 @@ class GroupedPlan:
 
 
 def grouped_plan(pl: Placement, host_idx: np.ndarray, group: int, staging_bytes: int,
-                 built: dict | None = None) -> GroupedPlan:
+                 built: dict | None = None, max_pitch: int | None = None) -> GroupedPlan:
     """Plans for a load in groups of ``group`` layers (and the shorter last group); ``built`` are reused."""
     built = built or {}
     sizes = sorted({group, pl.layer_num % group or group})
     return GroupedPlan(group, pl.layer_num,
-                       {n: built[n] if n in built else plan(pl, host_idx, n, staging_bytes) for n in sizes})
+                       {n: built[n] if n in built else plan(pl, host_idx, n, staging_bytes, max_pitch)
+                        for n in sizes})
+
+
+# cudaMemcpy2D refuses pitches past the device's memPitch (2^31 - 1 on current GPUs).
+MAX_PITCH = (1 << 31) - 1
+
+
+def tall_rows(copies: np.ndarray, max_pitch: int) -> np.ndarray:
+    """Which rows go as one 2-D call: height > 1 and pitches the call accepts."""
+    return (copies[:, 3] > 1) & (np.maximum(copies[:, 4], copies[:, 5]) <= max_pitch)
 
 
 def split_copies(copies: np.ndarray, max_pitch: int):
@@ -302,7 +318,7 @@ def split_copies(copies: np.ndarray, max_pitch: int):
     of height > 1 whose pitches a 2-D call accepts (``<= max_pitch``); every
     other row becomes ``height`` 1-D copies, so they can go in one batch.
     """
-    tall = (copies[:, 3] > 1) & (np.maximum(copies[:, 4], copies[:, 5]) <= max_pitch)
+    tall = tall_rows(copies, max_pitch)
     flat = copies[~tall]
     heights = flat[:, 3]
     row = np.arange(int(heights.sum()), dtype=np.int64) - np.repeat(np.cumsum(heights) - heights, heights)

@@ -189,7 +189,8 @@ class TransferEngine:
         h, d = self.host_pool._check_indices(host_indices, device_indices, self.device_pool)
         parts = self.host_pool.transfer_parts()
         stream = self.backup_stream if to_host else self.load_stream
-        h_np, d_np = h.to("cpu").numpy(), d.to("cpu").numpy()
+        from .kernel import host_numpy  # imports Triton: only on CUDA
+        h_np, d_np = host_numpy(h), host_numpy(d)
         producer = torch.cuda.current_stream(self.device)
         stream.wait_stream(producer)
         self._order_after_conflicts(stream, h_np, d_np, to_host)

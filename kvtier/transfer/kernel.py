@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Backend, TransferPart
-from .triton_kernels import copy_items, layer_ptr_table
+from .triton_kernels import copy_items, fetch_index, interpreting, layer_ptr_table
 from ..validate import require_positive_int
 
 # Blocks a transfer may occupy when the caller names no quota. Measured on an
@@ -45,9 +45,22 @@ class PartTables:
 
 
 def on_device(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``idx`` as int64 on ``device``; a CPU tensor is copied (the copy belongs to the current stream)."""
+    """``idx`` as int64 on ``device``; a host tensor is copied by a kernel on the current stream
+    (:func:`~.triton_kernels.fetch_index`: never queued behind bulk copies, never blocking the host)."""
     idx = idx.to(torch.int64)
-    return idx if idx.device == device else idx.to(device, non_blocking=idx.is_pinned())
+    if idx.device == device:
+        return idx
+    if device.type != "cuda" or interpreting():
+        return idx.to(device)
+    return fetch_index(idx, device)
+
+
+def host_numpy(idx: torch.Tensor):
+    """``idx`` as a numpy array; a CUDA tensor is read back without queueing behind bulk copies."""
+    if idx.device.type == "cuda" and not interpreting():
+        from .triton_kernels import fetch_index_to_host
+        return fetch_index_to_host(idx)
+    return idx.to("cpu").numpy()
 
 
 def check_mapped(part: TransferPart) -> None:

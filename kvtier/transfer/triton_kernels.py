@@ -131,12 +131,14 @@ def sm_count(index: int) -> int:
 
 def copy_items(pl: Placement, buf: torch.Tensor, dev_layers, dev_ptrs: torch.Tensor,
                buf_idx: torch.Tensor | None, dev_idx: torch.Tensor, item0: int, n_items: int,
-               layer0: int, n_layers: int, to_buf: bool, max_blocks: int) -> int:
+               layer0: int, n_layers: int, to_buf: bool, max_blocks: int, wp: WordPlan | None = None) -> int:
     """Launch the copy on the current stream; returns the number of blocks (SMs) used.
 
     ``buf`` is the 1-D uint8 buffer ``pl`` addresses (its first byte is offset
     0); ``buf_idx=None`` puts item ``i`` at buffer slot ``i - item0``. Shapes
-    and alignment are checked here, before anything runs.
+    and alignment are checked here, before anything runs. ``wp``: the word
+    plan, when the caller already has it for these addresses (it costs a pass
+    over every layer's address).
     """
     if buf.dim() != 1 or buf.dtype != torch.uint8:
         raise ValueError(f"buf must be a 1-D uint8 tensor, got {tuple(buf.shape)} {buf.dtype}")
@@ -144,7 +146,7 @@ def copy_items(pl: Placement, buf: torch.Tensor, dev_layers, dev_ptrs: torch.Ten
         raise ValueError("index tensors must be int64")
     if n_items <= 0 or n_layers <= 0:
         return 0
-    wp = WordPlan.for_copy(pl, buf, dev_layers)
+    wp = wp or WordPlan.for_copy(pl, buf, dev_layers)
     w = wp.word
     words = buf.numel() // w
     bview = buf[: words * w].view(_WORD_DTYPES[w])
@@ -165,3 +167,46 @@ def copy_items(pl: Placement, buf: torch.Tensor, dev_layers, dev_ptrs: torch.Ten
         COL_TILES=triton.cdiv(chunk_words, block_w), ONE_TILE=one_tile, num_warps=NUM_WARPS,
     )
     return grid
+
+
+@triton.jit
+def _fetch_words(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+
+def fetch_index(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host int64 index tensor copied to ``device`` by SMs, on the current stream, without blocking.
+
+    The copy engines may be busy for many milliseconds with bulk transfers
+    queued earlier (a load's host -> device copies); a small index copy queued
+    behind them would hold up an unrelated transfer (and, from pageable
+    memory, the host). A kernel reads the pinned index over PCIe instead.
+    The pinned source is kept on the returned tensor so it outlives the read.
+    """
+    src = idx.contiguous()
+    src = src if src.is_pinned() else src.pin_memory()
+    out = torch.empty(src.numel(), dtype=torch.int64, device=device)
+    if src.numel():
+        block = 1024
+        _fetch_words[(triton.cdiv(src.numel(), block),)](src, out, src.numel(), BLOCK=block)
+    out._kvtier_source = src
+    return out
+
+
+def fetch_index_to_host(idx: torch.Tensor):
+    """A CUDA int64 index tensor as a numpy array, read back by a kernel on the current stream.
+
+    Waits only for the current stream's work (which produced the index), not
+    for bulk device -> host copies other streams have queued on the copy engine.
+    """
+    src = idx.to(torch.int64).contiguous()
+    out = torch.empty(src.numel(), dtype=torch.int64, pin_memory=True)
+    if src.numel():
+        block = 1024
+        _fetch_words[(triton.cdiv(src.numel(), block),)](src, out, src.numel(), BLOCK=block)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+    return out.numpy()
