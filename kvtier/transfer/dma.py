@@ -50,7 +50,10 @@ class DMAConfig:
     ``staging_bytes`` per buffer, ``buffers`` per direction (device memory:
     ``2 * buffers * staging_bytes`` at most). Fewer, larger chunks cost the
     host less to queue (H200, 4 GiB: 22 ms at 32 MiB, 10 ms at 128 MiB), which
-    matters when a backup and a load are queued back to back.
+    matters when a backup and a load are queued back to back; and a
+    layer_first backup writes one run per layer per chunk, which the copy
+    engine moved at 0.92x of its limit for MLA's 61 layers at 64 MiB (1.1 MB
+    runs; bench run 11) and 0.96x at 128 MiB (``probe_host_issue_h200.json``).
     ``gather_blocks``: SMs per gather or scatter kernel; at 16 a scatter of
     1-2 KiB items ran at 66 GB/s, barely ahead of PCIe, at 48 at 160 GB/s
     (``bench/results/probe_host_issue_h200.json``); the kernels run in bursts
@@ -61,7 +64,7 @@ class DMAConfig:
     at least this many 1-D copies queues them in one batched call.
     """
 
-    staging_bytes: int = 64 * MiB
+    staging_bytes: int = 128 * MiB
     buffers: int = 3
     gather_blocks: int = 48
     load_group: int = 0
