@@ -84,3 +84,22 @@ def test_samples_that_shared_the_link_with_the_other_direction_are_filed_apart()
     t.add(load + (DUPLEX,), "kernel", 10**9, _Clock(100), _Clock(125))
     t.harvest(c)
     assert c.samples[load]["kernel"] == [40.0]
+
+
+def test_a_transfer_after_one_that_shared_the_link_is_chosen_as_sharing_it():
+    """In a stream of backup+load pairs the backup is issued while no load runs yet; it is
+    still chosen from duplex samples when the previous backup shared the link."""
+    from kvtier.transfer.online import PendingTimings
+    c, t = OnlineChooser(explore=1), PendingTimings()
+    backup, load = (True, "geom"), (False, "geom")
+    assert not t.sharing(True)
+    t.add(backup, "kernel", 10**9, _Clock(0), _Clock(20))
+    t.add(load, "dma", 10**9, _Clock(5), _Clock(25))
+    t.harvest(c)
+    assert t.sharing(True) and t.sharing(False)      # both last ran together
+    t.add(backup, "kernel", 10**9, _Clock(100), _Clock(120))   # then a backup alone
+    t.harvest(c)
+    assert not t.sharing(True) and t.sharing(False)
+    pending = _Clock(200, fired=False)
+    t.add(load, "dma", 10**9, _Clock(150), pending)
+    assert t.sharing(True)                            # a load is in flight right now

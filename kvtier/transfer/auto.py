@@ -176,9 +176,11 @@ class AutoBackend(Backend):
         host_np = host_numpy(host_idx)
         per_run = sum(host_np.size * p.item_bytes * (p.layer_num if to_host else 1) for p in parts)
         base = shape_key(to_host, parts, host_np, per_run)
-        # A transfer the other way shares the link: its samples are kept apart.
-        key = base + (DUPLEX,) if self.timings.busy(not to_host) else base
+        # A transfer the other way shares the link: its samples are kept apart, and one
+        # that will likely share it is chosen from samples that did (zero-copy kernels
+        # both ways, or a kernel beside copies, share ~55-60 GB/s; copies both ways ~90).
         self.timings.harvest(self.chooser)
+        key = base + (DUPLEX,) if self.timings.sharing(to_host) else base
         # DMA plans are built only when needed (tens of ms for 32k scattered slots).
         dma_plans = None
 

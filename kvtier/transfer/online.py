@@ -79,6 +79,7 @@ class PendingTimings:
     def __init__(self, history: int = 16):
         self._pending: list[tuple] = []
         self._recent: deque = deque(maxlen=history)  # (to_host, start, end) of finished samples
+        self._last_shared = {True: False, False: False}  # per direction: did its last sample share the link?
         self._lock = threading.Lock()
 
     def add(self, key, candidate: str, nbytes: int, start, end) -> None:
@@ -89,6 +90,13 @@ class PendingTimings:
         """True while a timed transfer in direction ``to_host`` has not finished."""
         with self._lock:
             return any(p[0][0] == to_host and not p[4].query() for p in self._pending)
+
+    def sharing(self, to_host: bool) -> bool:
+        """Whether a transfer in direction ``to_host`` starting now will likely share the link:
+        one the other way is in flight, or the last finished one this way did share it
+        (backups and loads tend to keep coming together; the first transfer of such a
+        pair is issued while the other way is still idle)."""
+        return self.busy(not to_host) or self._last_shared[to_host]
 
     def harvest(self, chooser: OnlineChooser) -> None:
         with self._lock:
@@ -101,6 +109,7 @@ class PendingTimings:
             if ms <= 0:
                 continue
             shared = any(d != key[0] and _overlaps(start, end, s, e) for d, s, e in spans)
+            self._last_shared[key[0]] = shared
             base = key[:-1] if key[-1] == DUPLEX else key  # how it ran decides, not what was expected
             chooser.record(base + (DUPLEX,) if shared else base, cand, nbytes / (ms / 1e3) / 1e9)
 
