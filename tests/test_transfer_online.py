@@ -103,3 +103,16 @@ def test_a_transfer_after_one_that_shared_the_link_is_chosen_as_sharing_it():
     pending = _Clock(200, fired=False)
     t.add(load, "dma", 10**9, _Clock(150), pending)
     assert t.sharing(True)                            # a load is in flight right now
+
+
+def test_a_transfer_sharing_the_link_goes_by_dma_where_it_can():
+    """Samples time one direction only; a zero-copy kernel's cost lands on the other one."""
+    from kvtier.transfer.online import DUPLEX
+    c = OnlineChooser(explore=1)
+    shared = (True, "geom", DUPLEX)
+    c.record(shared, "kernel", 50.0)
+    c.record(shared, "dma", 40.0)          # looks slower from its own side
+    assert c.pick(shared, ["kernel", "dma"]) == "dma"
+    assert c.pick(shared, ["kernel"]) == "kernel"          # where DMA is no candidate (e.g. one slot per run)
+    assert c.pick(shared[:-1], ["kernel", "dma"]) == "kernel"  # alone: unexplored kernel first, by the prior
+    assert OnlineChooser(when_shared=None).pick(shared, ["kernel", "dma"]) == "kernel"

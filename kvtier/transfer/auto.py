@@ -177,8 +177,8 @@ class AutoBackend(Backend):
         per_run = sum(host_np.size * p.item_bytes * (p.layer_num if to_host else 1) for p in parts)
         base = shape_key(to_host, parts, host_np, per_run)
         # A transfer the other way shares the link: its samples are kept apart, and one
-        # that will likely share it is chosen from samples that did (zero-copy kernels
-        # both ways, or a kernel beside copies, share ~55-60 GB/s; copies both ways ~90).
+        # that will likely share it goes by DMA where it can (OnlineChooser.pick: a
+        # zero-copy kernel either way held both together to ~60 GB/s; copies ~90-100).
         self.timings.harvest(self.chooser)
         key = base + (DUPLEX,) if self.timings.sharing(to_host) else base
         # DMA plans are built only when needed (tens of ms for 32k scattered slots).

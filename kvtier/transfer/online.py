@@ -22,6 +22,9 @@ import numpy as np
 from .dma_plan import run_class
 
 
+DUPLEX = "duplex"
+
+
 def shape_key(to_host: bool, parts, host_np: np.ndarray, nbytes: int) -> tuple:
     """What makes one transfer behave like another for backend choice."""
     geometry = tuple((p.host.page_size, p.host.token, p.host.chunk_bytes, p.host.n_chunks, p.item_bytes)
@@ -31,16 +34,28 @@ def shape_key(to_host: bool, parts, host_np: np.ndarray, nbytes: int) -> tuple:
 
 @dataclass
 class OnlineChooser:
-    """Per shape: explore each candidate ``explore`` times, then keep the fastest."""
+    """Per shape: explore each candidate ``explore`` times, then keep the fastest.
+
+    A transfer that will share the link with one in the other direction (its
+    key ends with ``DUPLEX``) takes ``when_shared`` whenever that is a
+    candidate, without exploring: each sample only times its own direction,
+    and a zero-copy kernel's cost falls on the other one. On an H200 a
+    backup and a load together moved 1.50-1.78x of one direction's limit
+    when both went through the copy engines and 1.03-1.13x when either was a
+    zero-copy kernel (bench/results/transfer_h200*.json, runs 12-13).
+    """
 
     explore: int = 1
     samples: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+    when_shared: str | None = "dma"
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
 
     def pick(self, key, candidates: list[str]) -> str:
         """``candidates`` in prior order (best predicted first)."""
+        if self.when_shared in candidates and key and key[-1] == DUPLEX:
+            return self.when_shared
         with self._lock:
             seen = self.samples[key]
             for c in candidates:
@@ -57,9 +72,6 @@ class OnlineChooser:
         with self._lock:
             seen = {c: median(v) for c, v in self.samples[key].items() if v}
         return max(seen, key=seen.get) if seen else None
-
-
-DUPLEX = "duplex"
 
 
 def _before(a, b) -> bool:
