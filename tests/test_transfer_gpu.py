@@ -251,3 +251,26 @@ def test_dma_load_group_is_chosen_by_timed_trials():
     eng.load(h, d2).synchronize()
     assert len(eng.backend.group_rates) == n  # decided once
     host.close()
+
+
+@pytest.mark.parametrize("backend", ["kernel", "dma"])
+def test_index_copies_are_kept_until_read_while_the_stream_is_busy(backend):
+    """Host index tensors reach the GPU through pinned copies read by a kernel. Through the
+    seed API nothing holds them once the call returns; while the stream is still busy the
+    pinned block must not be handed out (and overwritten) by the next call's copy."""
+    spec = SPECS["mha_odd"]
+    dev, host = _pools(spec, 1, "layer_first")
+    ref = host_pool_for(dev, "layer_first", host_size_tokens=host.size)
+    for hp in (host, ref):
+        for c in hp.component_tensors:
+            hp.raw_bytes(c).fill_(0xA5)
+    torch.cuda._sleep(100_000_000)  # everything queued next waits ~50 ms
+    for i in range(8):
+        h, d = torch.arange(16 * i, 16 * i + 16), torch.arange(200 - 16 * i, 216 - 16 * i)
+        host.backup_from_device_all_layer(dev, h, d, backend)
+        ref.backup_from_device_all_layer(dev, h, d, "direct")
+    torch.cuda.synchronize()
+    for c in host.component_tensors:
+        assert torch.equal(host.raw_bytes(c), ref.raw_bytes(c))
+    host.close()
+    ref.close()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -176,6 +178,14 @@ def _fetch_words(src, dst, n, BLOCK: tl.constexpr):
     tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
 
 
+# Pinned index copies a fetch kernel may still read: (tensor, event), oldest first. The
+# caching host allocator knows nothing of kernel reads, so a freed pinned block could be
+# handed out again (and overwritten) before the kernel ran; each stays here until its
+# event has fired.
+_fetching: deque = deque()
+_fetching_lock = threading.Lock()
+
+
 def fetch_index(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host int64 index tensor copied to ``device`` by SMs, on the current stream, without blocking.
 
@@ -183,7 +193,6 @@ def fetch_index(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
     queued earlier (a load's host -> device copies); a small index copy queued
     behind them would hold up an unrelated transfer (and, from pageable
     memory, the host). A kernel reads the pinned index over PCIe instead.
-    The pinned source is kept on the returned tensor so it outlives the read.
     """
     src = idx.contiguous()
     src = src if src.is_pinned() else src.pin_memory()
@@ -191,7 +200,12 @@ def fetch_index(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
     if src.numel():
         block = 1024
         _fetch_words[(triton.cdiv(src.numel(), block),)](src, out, src.numel(), BLOCK=block)
-    out._kvtier_source = src
+        read = torch.cuda.Event()
+        read.record()
+        with _fetching_lock:
+            while _fetching and _fetching[0][1].query():
+                _fetching.popleft()
+            _fetching.append((src, read))
     return out
 
 
