@@ -238,7 +238,10 @@ class HiCache:
                 first += 1
             rest = path[first:]
             to_load = [n for n in rest if n.device is None]
-            pending = list({id(n.op): n.op for n in rest if n.device is not None and n.op is not None}.values())
+            # Pages still being loaded are waited for; a ready page's op, if any, is a backup
+            # reading it (it has no layers to wait on, and the load does not need it).
+            pending = list({id(n.op): n.op for n in rest
+                            if n.device is not None and not n.device_ready and n.op is not None}.values())
             if to_load:
                 op = self.tiers.start_load(to_load)
                 if op is None:
