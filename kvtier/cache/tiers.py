@@ -119,10 +119,18 @@ class Tiers:
             self.wait_oldest()
         return None
 
-    def obtain_host(self, n_pages: int) -> np.ndarray | None:
+    def obtain_host(self, n_pages: int, keep_device_copies: bool = False) -> np.ndarray | None:
+        """``n_pages`` free host pages, evicting host copies as needed.
+
+        ``keep_device_copies``: evict only host-only pages, never the host copy
+        of a page still on the device. A demotion needs this: taking another
+        device page's host copy to make room would only make that page the
+        next one to demote, and two such pages can take each other's room
+        forever while the device never frees a page.
+        """
         pages = self.host_alloc.alloc_pages(n_pages)
         if pages is None:
-            self.evict_host(n_pages - self.host_alloc.available_pages())
+            self.evict_host(n_pages - self.host_alloc.available_pages(), keep_device_copies)
             pages = self.host_alloc.alloc_pages(n_pages)
         return pages
 
@@ -147,7 +155,8 @@ class Tiers:
             parent = node.parent
             if node.host is not None:
                 freed += self._demoted(node)
-            elif self.engine is not None and self.writer.demote_on_evict(node) and self.start_backup([node], wait=True):
+            elif (self.engine is not None and self.writer.demote_on_evict(node)
+                  and self.start_backup([node], demotion=True)):
                 self.metrics.demoted_tokens.inc(len(node))
                 continue
             else:
@@ -186,9 +195,13 @@ class Tiers:
         return (node.host is not None and node.host_ready and node.op is None and node.lock_ref == 0
                 and (node.device is not None or not node.children))
 
-    def evict_host(self, n_pages: int) -> int:
-        """Free up to ``n_pages`` host pages: host copies of device nodes, host-only leaves."""
-        victims = Victims(self.eviction.key, self.tree.host_nodes, self.host_evictable)
+    def evict_host(self, n_pages: int, keep_device_copies: bool = False) -> int:
+        """Free up to ``n_pages`` host pages: host copies of device nodes (unless
+        ``keep_device_copies``), host-only leaves."""
+        evictable = self.host_evictable
+        if keep_device_copies:
+            evictable = lambda n: self.host_evictable(n) and n.device is None  # noqa: E731
+        victims = Victims(self.eviction.key, self.tree.host_nodes, evictable)
         freed = 0
         while freed < n_pages and (node := victims.pop()) is not None:
             freed += self._free_host_of(node)
@@ -210,21 +223,22 @@ class Tiers:
 
     # -- transfers ---------------------------------------------------------------
 
-    def start_backup(self, nodes: list[Node], wait: bool = False) -> bool:
+    def start_backup(self, nodes: list[Node], demotion: bool = False) -> bool:
         """Prepare and issue a backup of device-ready nodes; False (nothing changed) if no room.
 
-        A full backup queue is waited on when ``wait`` (a demotion, which the
-        device needs), else the backup is skipped (a write-through copy).
+        A full backup queue is waited on for a ``demotion`` (which the device
+        needs, and which makes room on the host only from host-only pages),
+        else the backup is skipped (a write-through copy).
         """
         if self.inflight.full(BACKUP):
             self.poll()
-            while wait and self.inflight.full(BACKUP):
+            while demotion and self.inflight.full(BACKUP):
                 self.wait_oldest(BACKUP)
             if self.inflight.full(BACKUP):
                 self.metrics.backups_skipped["queue_full"].inc()
                 return False
         dev = concat([n.device for n in nodes])
-        host = self.obtain_host(len(dev))
+        host = self.obtain_host(len(dev), keep_device_copies=demotion)
         if host is None:
             self.metrics.backups_skipped["host_full"].inc()
             return False
