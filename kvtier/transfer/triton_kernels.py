@@ -178,6 +178,16 @@ def _fetch_words(src, dst, n, BLOCK: tl.constexpr):
     tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
 
 
+def _copy_words(src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
+    """Copy ``src`` into ``dst`` (int64, either may be pinned host memory) by a kernel on the
+    current stream; returns the event recorded after it."""
+    block = 1024
+    _fetch_words[(triton.cdiv(src.numel(), block),)](src, dst, src.numel(), BLOCK=block)
+    done = torch.cuda.Event()
+    done.record()
+    return done
+
+
 # Pinned index copies a fetch kernel may still read: (tensor, event), oldest first. The
 # caching host allocator knows nothing of kernel reads, so a freed pinned block could be
 # handed out again (and overwritten) before the kernel ran; each stays here until its
@@ -198,10 +208,7 @@ def fetch_index(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
     src = src if src.is_pinned() else src.pin_memory()
     out = torch.empty(src.numel(), dtype=torch.int64, device=device)
     if src.numel():
-        block = 1024
-        _fetch_words[(triton.cdiv(src.numel(), block),)](src, out, src.numel(), BLOCK=block)
-        read = torch.cuda.Event()
-        read.record()
+        read = _copy_words(src, out)
         with _fetching_lock:
             while _fetching and _fetching[0][1].query():
                 _fetching.popleft()
@@ -218,9 +225,5 @@ def fetch_index_to_host(idx: torch.Tensor):
     src = idx.to(torch.int64).contiguous()
     out = torch.empty(src.numel(), dtype=torch.int64, pin_memory=True)
     if src.numel():
-        block = 1024
-        _fetch_words[(triton.cdiv(src.numel(), block),)](src, out, src.numel(), BLOCK=block)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
+        _copy_words(src, out).synchronize()
     return out.numpy()
