@@ -293,13 +293,10 @@ class GroupedPlan:
 
 
 def grouped_plan(pl: Placement, host_idx: np.ndarray, group: int, staging_bytes: int,
-                 built: dict | None = None, max_pitch: int | None = None) -> GroupedPlan:
-    """Plans for a load in groups of ``group`` layers (and the shorter last group); ``built`` are reused."""
-    built = built or {}
+                 max_pitch: int | None = None) -> GroupedPlan:
+    """Plans for a load in groups of ``group`` layers (and the shorter last group)."""
     sizes = sorted({group, pl.layer_num % group or group})
-    return GroupedPlan(group, pl.layer_num,
-                       {n: built[n] if n in built else plan(pl, host_idx, n, staging_bytes, max_pitch)
-                        for n in sizes})
+    return GroupedPlan(group, pl.layer_num, {n: plan(pl, host_idx, n, staging_bytes, max_pitch) for n in sizes})
 
 
 # cudaMemcpy2D refuses pitches past the device's memPitch (2^31 - 1 on current GPUs).
