@@ -1,4 +1,4 @@
-"""Grouped per-layer loads and batched copies of the DMA backend: the planning side (no GPU).
+"""Grouped per-layer loads, chunking and batched copies of the DMA backend: the planning side (no GPU).
 
 The group is chosen on the GPU from timed trial loads; here the choice is
 checked against the loads an H200 actually gave
@@ -17,8 +17,10 @@ import torch
 
 from kvtier.layouts import LAYOUTS
 from kvtier.spec import KVSpec
-from kvtier.transfer.dma_plan import (choose_group, group_sizes, grouped_plan, narrow_layer_rows, plan,
-                                      split_copies)
+from hypothesis import given, strategies as st
+
+from kvtier.transfer.dma_plan import (RAMP_DIV, chunk_bounds, choose_group, group_sizes, grouped_plan,
+                                      narrow_layer_rows, plan, split_copies)
 
 PROBE = json.loads((Path(__file__).parent.parent / "bench/results/probe_host_issue_h200.json").read_text())
 MHA = KVSpec("mha", 32, torch.bfloat16, head_num=8, head_dim=128)    # llama-3-8b: 2 KiB K or V rows
@@ -109,6 +111,52 @@ def test_plan_calls_are_each_chunks_copies_split_once(layout, ps, max_pitch):
         want_tall, want_flat = split_copies(p.chunk(i)[2], max_pitch)
         assert np.array_equal(tall, want_tall)
         assert np.array_equal(flat, np.stack(want_flat, axis=1).reshape(-1, 3))
+
+
+@given(n=st.integers(0, 5000), slots_pages=st.integers(1, 300), ps=st.sampled_from([1, 4, 64]),
+       per_slot=st.integers(1, 1 << 16), ramp=st.sampled_from([0, 1, 1 << 12, 4 << 20]))
+def test_chunk_bounds_cover_the_transfer_in_pages_and_ramp_up_by_doubling(n, slots_pages, ps, per_slot, ramp):
+    slots = slots_pages * ps
+    b = chunk_bounds(n, slots, ps, per_slot, ramp)
+    sizes = np.diff(b)
+    assert b[0] == 0 and b[-1] == n and (sizes > 0).all()
+    assert (b[1:-1] % ps == 0).all() and (sizes <= slots).all()
+    if not ramp:
+        assert (sizes[:-1] == slots).all()
+        return
+    full = sizes[:-1]  # the last chunk is what is left
+    assert (np.diff(full) >= 0).all()
+    growing = full[full < slots]
+    assert (growing[1:] == 2 * growing[:-1]).all()   # doubling ...
+    if len(growing):                                  # ... from the smallest chunk worth a copy
+        first = max(slots // RAMP_DIV, -(-ramp // per_slot))
+        assert growing[0] == -(-first // ps) * ps and growing[0] * per_slot >= ramp
+
+
+def test_ramped_plan_starts_small_and_keeps_each_chunk_inside_staging():
+    pl = LAYOUTS["layer_first"].placement(MLA.components[0], 61, 40000, 1)
+    rng = np.random.default_rng(2)
+    host = np.sort(rng.permutation(40000)[:32768])  # runs as the allocator hands them out
+    per_slot = 61 * pl.item_bytes
+    flat = plan(pl, host, 61, 16 << 20)
+    ramped = plan(pl, host, 61, 16 << 20, ramp=1 << 20)
+    assert ramped.staging_bytes == flat.staging_bytes and ramped.n_chunks > flat.n_chunks
+    assert 1 << 20 <= ramped.chunk(0)[1] * per_slot <= (16 << 20) // 8
+    for p in (flat, ramped):
+        moved = 0
+        for i in range(p.n_chunks):
+            j0, m, copies = p.chunk(i)
+            moved += m
+            rows = np.arange(copies[:, 3].max())
+            live = rows[None, :] < copies[:, 3:4]
+            start = (copies[:, 1:2] + rows[None, :] * copies[:, 5:6])[live]
+            width = np.broadcast_to(copies[:, 2:3], live.shape)[live]
+            order = np.argsort(start)
+            start, width = start[order], width[order]
+            # Staging bytes written once each, inside the buffer, and exactly the chunk's bytes.
+            assert start[0] >= 0 and (start + width).max() <= p.staging_bytes
+            assert (start[1:] >= start[:-1] + width[:-1]).all() and width.sum() == m * per_slot
+        assert moved == host.size
 
 
 @pytest.mark.parametrize("bad", [{"load_group": -1}, {"load_group": True}, {"load_group": 1.5},

@@ -34,7 +34,7 @@ import torch
 
 from .base import Backend, TransferPart
 from .cudart import has_batch, memcpy2d, memcpy_batch
-from .dma_plan import DMAPlan, GroupedPlan, choose_group, dma_capable, grouped_plan, plan, run_class
+from .dma_plan import RAMP_MIN_BYTES, DMAPlan, GroupedPlan, choose_group, dma_capable, grouped_plan, plan, run_class
 from .kernel import KernelBackend, PartTables, check_mapped, host_numpy, on_device
 from .timing import event_seconds
 from .triton_kernels import WordPlan, copy_items
@@ -142,7 +142,7 @@ class DMABackend(Backend):
         if not dma_capable(part.host, host_np):
             return None
         if to_host:
-            return plan(part.host, host_np, part.layer_num, self.config.staging_bytes)
+            return plan(part.host, host_np, part.layer_num, self.config.staging_bytes, ramp=RAMP_MIN_BYTES)
         group = self.load_group(part, host_np) if whole else 1
         return grouped_plan(part.host, host_np, group, self.config.staging_bytes)
 
