@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import click
@@ -169,15 +170,19 @@ def measure(case: Case, engine: TransferEngine, direction: str, idx, clock: Cloc
             hd.wait()
             ld.wait_layer(ld.layer_num - 1)
     fn = {"backup": backup, "load": load, "both": both}[direction]
-    t = clock.median(fn, reps, 1)
+    # auto is timed once its choice for the shape is made: the exploring transfers
+    # are a one-off cost per shape, not its steady speed.
+    t = clock.median(fn, reps, max(1, getattr(engine.backend, "settling_transfers", 1)))
     return (2 if direction == "both" else 1) * case.nbytes / t / 1e9
 
 
 def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_sizes, layers, progress=True,
               on_row=None) -> list[Row]:
-    """Time every combination; ``on_row(rows, groups)`` is called after each row (partial results survive).
+    """Time every combination; ``on_row(rows, groups, picks)`` is called after each row (partial
+    results survive).
 
-    ``groups`` is the layers-per-copy of a DMA load row (None otherwise), for the log.
+    ``groups`` is the layers-per-copy of a DMA load row (None otherwise), ``picks`` what auto
+    chose during the row (``{(direction, backend): transfers}``, warm-up included), for the log.
     """
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -187,7 +192,7 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
     combos = [(k, lay, ps) for k in kinds for lay in SUPPORTED[k] for ps in page_sizes]
     total = len(combos) * 2 * len(DIRECTIONS) * len(backends)
     rows: list[Row] = []
-    last_groups = [None]
+    last_groups, last_picks = [None], [Counter()]
     bar = tqdm(total=total, desc="bench transfer", disable=not progress)
     limits = None
     for kind, layout, ps in combos:
@@ -209,16 +214,18 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                 engine = TransferEngine(case.host, name, block_quota=quota)
                 for direction in DIRECTIONS:
                     bar.set_postfix_str(f"{kind} {layout} p{ps} {direction} {backend}")
+                    picks = Counter(getattr(engine.backend, "picks", {}))
                     gbps = measure(case, engine, direction, idx, clock, reps)
                     sms = getattr(engine.backend, "last_blocks", 0)
                     last_groups[0] = load_groups(engine.backend) if direction == "load" else None
+                    last_picks[0] = Counter(getattr(engine.backend, "picks", {})) - picks
                     lim = limits[direction]
                     rows.append(Row(kind, layout, ps, direction, backend,
                                     "scattered" if scattered else "allocator",
                                     round(gbps, 2), round(lim, 2), round(gbps / lim, 3), sms))
                     bar.update()
                     if on_row:
-                        on_row(rows, last_groups[0])
+                        on_row(rows, last_groups[0], last_picks[0])
         case.host.close()
         del case
     bar.close()
@@ -269,10 +276,12 @@ def transfer(tokens, reps, backends, kinds, page_sizes, quick, verbose, json_pat
         tokens, reps = 256, 1
     start = time.perf_counter()
 
-    def save(rows, groups=None):
+    def save(rows, groups=None, picks=None):
         if verbose:
             r = rows[-1]
             extra = f" layers/copy={groups}" if groups else ""
+            if picks:
+                extra += " picks=" + ",".join(f"{d}:{c}x{n}" for (d, c), n in sorted(picks.items()))
             click.echo(f"[{time.perf_counter() - start:6.1f}s] {r.kind} {r.layout} p{r.page_size} {r.direction} "
                        f"{r.host_slots} {r.backend}: {r.gbps} GB/s ({r.ratio}x) sms={r.sms}{extra}", err=True)
         if json_path:

@@ -1,7 +1,8 @@
 """The ``auto`` backend: per transfer, kernel or DMA, whichever was measured faster.
 
 Choice is online (:mod:`.online`): each transfer shape tries both backends
-on real transfers, timed by device events, and then keeps the faster. The
+on real transfers (twice each), timed by device events, and then keeps the
+one with the best sample. The
 first try follows a prior: a cost model calibrated once per device and
 process, on first use, by timing the real copy paths on scratch buffers
 (about a second, most of it Triton compiling): the copy engine's bandwidth
@@ -14,6 +15,7 @@ kernel transfer ``bytes / kernel_bw(chunk width)``.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,7 +121,7 @@ def _kernel_probe(host, dev, w, pitch, to_host, blocks):
 class AutoBackend(Backend):
     name = "auto"
 
-    def __init__(self, kernel: KernelBackend, dma: DMABackend, explore: int = 1):
+    def __init__(self, kernel: KernelBackend, dma: DMABackend, explore: int = 2):
         self.kernel = kernel
         self.dma = dma
         self._models: dict[int, CostModel] = {}
@@ -129,6 +131,12 @@ class AutoBackend(Backend):
         self._candidates: dict[tuple, list[str]] = {}  # per shape, ranked by the prior once
         self.last_choice: list[str] = []
         self.last_blocks = 0
+        self.picks: Counter = Counter()  # (direction, choice) -> transfers, for reports
+
+    @property
+    def settling_transfers(self) -> int:
+        """Transfers of one shape after which the choice is made (each candidate explored)."""
+        return 2 * self.chooser.explore
 
     def model(self, device: torch.device) -> CostModel:
         with self._lock:
@@ -191,6 +199,7 @@ class AutoBackend(Backend):
             dma_plans = planned()
             candidates = self._candidates[base] = self.ranked(parts, dma_plans, host_np.size, to_host)
         choice = self.chooser.pick(key, candidates)
+        self.picks[("backup" if to_host else "load", choice)] += 1
         plans = planned() if choice == "dma" else [None] * len(parts)
         self.last_choice = ["kernel" if p is None else "dma" for p in plans]
         inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota)
