@@ -1,0 +1,93 @@
+"""Probe: what the DMA backend's remaining shortfalls cost, A/B in one run.
+
+1. Ramp: a backup's first chunks smaller (default) or every chunk a full staging
+   buffer (``kvtier.transfer.dma.RAMP_MIN_BYTES = 0``): page-1 allocator backups
+   of MHA, MLA and DSA, at 128 and 256 MiB staging.
+2. Copies of whole pages at scattered host pages (layer_first, page 64): each
+   page's rows of all layers go as one pitched 2-D copy (default) or as 1-D copies
+   in one batched call (``dma_plan.MAX_PITCH = 0``). Run 14 gave backups 0.66-0.80x
+   where the same copies loaded at 0.93-0.98x.
+GB/s are payload / device time (median of 3 after a warm-up), with the same run's
+contiguous limit for ratios.
+Usage: python bench/probes/page_copies.py OUT.json [--tokens N]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+import kvtier.transfer.dma as dma_mod
+import kvtier.transfer.dma_plan as plan_mod
+from kvtier.bench.transfer import Case, Clock, contiguous_limit
+from kvtier.transfer import TransferEngine
+from kvtier.transfer.dma import DMABackend, DMAConfig, MiB
+
+PATH = sys.argv[1] if len(sys.argv) > 1 else "/tmp/probe_page_copies.json"
+TOKENS = int(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else 32768
+out: dict = {"tokens": TOKENS}
+clock = Clock(True)
+
+
+def log(k, v):
+    out[k] = v
+    print(k, v, flush=True)
+    with open(PATH, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def rate(case, cfg, idx, to_host):
+    eng = TransferEngine(case.host, "dma")
+    eng.backend = DMABackend(cfg)
+    h, d = idx[0], idx[1]
+
+    def go():
+        if to_host:
+            eng.backup(h, d).wait()
+        else:
+            ld = eng.load(h, d)
+            ld.wait_layer(ld.layer_num - 1)
+    return round(case.nbytes / clock.median(go, 3, 1) / 1e9, 2)
+
+
+def main():
+    rng = np.random.default_rng(0)
+    base = DMAConfig()
+    limits = None
+    ramp_default = dma_mod.RAMP_MIN_BYTES
+    for kind in ("mha", "mla", "dsa"):
+        case = Case(kind, "layer_first", 1, TOKENS, "cuda", None)
+        if limits is None:
+            limits = contiguous_limit(case.nbytes, clock, 3)
+            log("limit", {k: round(v, 2) for k, v in limits.items()})
+        idx = case.indices(False, rng)
+        for staging in (128, 256):
+            cfg = replace(base, staging_bytes=staging * MiB)
+            for ramp in (ramp_default, 0):
+                dma_mod.RAMP_MIN_BYTES = ramp
+                g = rate(case, cfg, idx, True)
+                log(f"{kind}/p1/allocator/backup/staging{staging}/ramp{int(bool(ramp))}",
+                    {"gbps": g, "ratio": round(g / limits["backup"], 3)})
+        dma_mod.RAMP_MIN_BYTES = ramp_default
+        case.host.close()
+        del case
+        case = Case(kind, "layer_first", 64, TOKENS, "cuda", None)
+        idx = case.indices(True, rng)
+        for to_host in (True, False):
+            for name, pitch in (("pitched", plan_mod.MAX_PITCH), ("batched", 0)):
+                plan_mod.MAX_PITCH = pitch
+                g = rate(case, base, idx, to_host)
+                d = "backup" if to_host else "load"
+                log(f"{kind}/p64/scattered/{d}/{name}", {"gbps": g, "ratio": round(g / limits[d], 3)})
+            plan_mod.MAX_PITCH = (1 << 31) - 1
+        case.host.close()
+        del case
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
