@@ -3,9 +3,10 @@
 1. Ramp: a backup's first chunks smaller (default) or every chunk a full staging
    buffer (``kvtier.transfer.dma.RAMP_MIN_BYTES = 0``): page-1 allocator backups
    of MHA, MLA and DSA, at 128 and 256 MiB staging.
-2. Copies of whole pages at scattered host pages (layer_first, page 64): each
-   page's rows of all layers go as one pitched 2-D copy (default) or as 1-D copies
-   in one batched call (``dma_plan.MAX_PITCH = 0``). Run 14 gave backups 0.66-0.80x
+2. Copies of whole pages at scattered host pages (layer_first, page 64; MHA
+   page_first, page 1) and page-1 allocator backups: each run's rows of all layers
+   go as one pitched 2-D copy (default) or as 1-D copies in one batched call
+   (``dma_plan.MAX_PITCH = 0``). Run 14 gave scattered page-64 backups 0.66-0.80x
    where the same copies loaded at 0.93-0.98x.
 GB/s are payload / device time (median of 3 after a warm-up), with the same run's
 contiguous limit for ratios.
@@ -73,20 +74,28 @@ def main():
                 log(f"{kind}/p1/allocator/backup/staging{staging}/ramp{int(bool(ramp))}",
                     {"gbps": g, "ratio": round(g / limits["backup"], 3)})
         dma_mod.RAMP_MIN_BYTES = ramp_default
+        pitched_vs_batched(case, base, idx, limits, f"{kind}/p1/allocator", (True,))
         case.host.close()
         del case
-        case = Case(kind, "layer_first", 64, TOKENS, "cuda", None)
-        idx = case.indices(True, rng)
-        for to_host in (True, False):
-            for name, pitch in (("pitched", plan_mod.MAX_PITCH), ("batched", 0)):
-                plan_mod.MAX_PITCH = pitch
-                g = rate(case, base, idx, to_host)
-                d = "backup" if to_host else "load"
-                log(f"{kind}/p64/scattered/{d}/{name}", {"gbps": g, "ratio": round(g / limits[d], 3)})
-            plan_mod.MAX_PITCH = (1 << 31) - 1
-        case.host.close()
-        del case
+        for layout, ps in (("layer_first", 64), ("page_first", 1)):
+            if kind != "mha" and layout == "page_first":
+                continue
+            case = Case(kind, layout, ps, TOKENS, "cuda", None)
+            idx = case.indices(True, rng)
+            pitched_vs_batched(case, base, idx, limits, f"{kind}/{layout}/p{ps}/scattered", (True, False))
+            case.host.close()
+            del case
         torch.cuda.empty_cache()
+
+
+def pitched_vs_batched(case, cfg, idx, limits, name, directions):
+    for to_host in directions:
+        d = "backup" if to_host else "load"
+        for how, pitch in (("pitched", (1 << 31) - 1), ("batched", 0)):
+            plan_mod.MAX_PITCH = pitch
+            g = rate(case, cfg, idx, to_host)
+            log(f"{name}/{d}/{how}", {"gbps": g, "ratio": round(g / limits[d], 3)})
+        plan_mod.MAX_PITCH = (1 << 31) - 1
 
 
 if __name__ == "__main__":
