@@ -8,6 +8,8 @@
    go as one pitched 2-D copy (default) or as 1-D copies in one batched call
    (``dma_plan.MAX_PITCH = 0``). Run 14 gave scattered page-64 backups 0.66-0.80x
    where the same copies loaded at 0.93-0.98x.
+3. The zero-copy kernel's row order (``triton_kernels.ROW_ORDER_BY_LAYOUT``) for
+   backups of page-major layouts at scattered page-1 slots.
 GB/s are payload / device time (median of 3 after a warm-up), with the same run's
 contiguous limit for ratios.
 Usage: python bench/probes/page_copies.py OUT.json [--tokens N]
@@ -86,6 +88,25 @@ def main():
             case.host.close()
             del case
         torch.cuda.empty_cache()
+    kernel_row_order(rng, limits)
+
+
+def kernel_row_order(rng, limits):
+    """Zero-copy backups of page-major layouts at scattered page-1 slots, rows numbered by
+    layout (a token's layers adjacent) or layer by layer as before."""
+    import kvtier.transfer.triton_kernels as tk
+    for kind, layout in (("mha", "page_head"), ("mha", "page_first"), ("mla", "page_first")):
+        case = Case(kind, layout, 1, TOKENS, "cuda", None)
+        idx = case.indices(True, rng)
+        eng = TransferEngine(case.host, "kernel")
+        for by_layout in (True, False):
+            tk.ROW_ORDER_BY_LAYOUT = by_layout
+            g = round(case.nbytes / clock.median(lambda: eng.backup(idx[0], idx[1]).wait(), 3, 1) / 1e9, 2)
+            log(f"kernel/{kind}/{layout}/p1/scattered/backup/order_by_layout{int(by_layout)}",
+                {"gbps": g, "ratio": round(g / limits["backup"], 3)})
+        tk.ROW_ORDER_BY_LAYOUT = True
+        case.host.close()
+        del case
 
 
 def pitched_vs_batched(case, cfg, idx, limits, name, directions):

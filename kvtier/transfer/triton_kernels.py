@@ -29,17 +29,23 @@ from ..layouts import Placement
 # per SM for zero-copy reads (a host read costs ~1-2 us of latency).
 TILE_BYTES = 32 * 1024
 NUM_WARPS = 8
+# Number rows so neighbours in the buffer are neighbours in the grid (:func:`row_order`);
+# False: always layer, item, chunk (kept for A/B probes).
+ROW_ORDER_BY_LAYOUT = True
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 @triton.jit
 def _copy_items(
-    dev_ptrs, buf, buf_idx, dev_idx, item0, n_items, n_rows, n_tiles, layer0,
+    dev_ptrs, buf, buf_idx, dev_idx, item0, n_items, n_layers, n_rows, n_tiles, layer0,
     page, token, layer_stride, chunk, page_size, n_chunks, chunk_words, item_words,
     TO_BUF: tl.constexpr, BUF_LINEAR: tl.constexpr, VEC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, COL_TILES: tl.constexpr, ONE_TILE: tl.constexpr,
+    ORDER: tl.constexpr,
 ):
     """Rows are (layer, item, chunk) triples; each is ``chunk_words`` words.
+    ``ORDER`` numbers them (:func:`row_order`) so that neighbouring rows are
+    neighbours in the buffer where its layout allows.
 
     Item ``i`` (of ``item0 .. item0+n_items``) sits in device slot ``dev_idx[i]``
     and in buffer slot ``buf_idx[i]`` (or ``i - item0`` when ``BUF_LINEAR``).
@@ -48,31 +54,42 @@ def _copy_items(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if ONE_TILE:
-        _copy_tile(pid.to(tl.int64), dev_ptrs, buf, buf_idx, dev_idx, item0, n_items, n_rows, layer0,
-                   page, token, layer_stride, chunk, page_size, n_chunks, chunk_words, item_words,
-                   TO_BUF, BUF_LINEAR, VEC, BLOCK_R, BLOCK_W, COL_TILES)
+        _copy_tile(pid.to(tl.int64), dev_ptrs, buf, buf_idx, dev_idx, item0, n_items, n_layers, n_rows,
+                   layer0, page, token, layer_stride, chunk, page_size, n_chunks, chunk_words, item_words,
+                   TO_BUF, BUF_LINEAR, VEC, BLOCK_R, BLOCK_W, COL_TILES, ORDER)
     else:
         # Grid-stride over tiles; ``n_tiles`` is tiles per program, the tail is masked.
         for k in range(0, n_tiles):
             _copy_tile(pid.to(tl.int64) + k * nprog, dev_ptrs, buf, buf_idx, dev_idx, item0, n_items,
-                       n_rows, layer0, page, token, layer_stride, chunk, page_size, n_chunks,
-                       chunk_words, item_words, TO_BUF, BUF_LINEAR, VEC, BLOCK_R, BLOCK_W, COL_TILES)
+                       n_layers, n_rows, layer0, page, token, layer_stride, chunk, page_size, n_chunks,
+                       chunk_words, item_words, TO_BUF, BUF_LINEAR, VEC, BLOCK_R, BLOCK_W, COL_TILES, ORDER)
 
 
 @triton.jit
 def _copy_tile(
-    tile, dev_ptrs, buf, buf_idx, dev_idx, item0, n_items, n_rows, layer0,
+    tile, dev_ptrs, buf, buf_idx, dev_idx, item0, n_items, n_layers, n_rows, layer0,
     page, token, layer_stride, chunk, page_size, n_chunks, chunk_words, item_words,
     TO_BUF: tl.constexpr, BUF_LINEAR: tl.constexpr, VEC: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, COL_TILES: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, COL_TILES: tl.constexpr, ORDER: tl.constexpr,
 ):
     """One tile of ``BLOCK_R`` rows; rows past ``n_rows`` are masked off."""
     rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
-    c = rows % n_chunks
-    rest = rows // n_chunks
-    i = rest % n_items
-    lyr = rest // n_items
+    if ORDER == 0:    # layer, item, chunk (chunk fastest)
+        c = rows % n_chunks
+        rest = rows // n_chunks
+        i = rest % n_items
+        lyr = rest // n_items
+    elif ORDER == 1:  # item, layer, chunk
+        c = rows % n_chunks
+        rest = rows // n_chunks
+        lyr = rest % n_layers
+        i = rest // n_layers
+    else:             # item, chunk, layer (layer fastest)
+        lyr = rows % n_layers
+        rest = rows // n_layers
+        c = rest % n_chunks
+        i = rest // n_chunks
     d_slot = tl.load(dev_idx + item0 + i, mask=rmask, other=0)
     if BUF_LINEAR:
         b_slot = i
@@ -115,6 +132,18 @@ class WordPlan:
         word = next(w for w in (8, 4, 2, 1) if g % w == 0)
         vec = 16 // word if g % 16 == 0 else 1
         return WordPlan(word, vec)
+
+
+def row_order(pl: Placement, n_layers: int) -> int:
+    """How the kernel numbers its (layer, item, chunk) rows for ``pl``: 0 item-major
+    within each layer (layer-major layouts, and any one-layer copy), 1 layer-major within
+    each item (page_first: a token's layers are adjacent), 2 layer fastest, then chunk
+    (page_head: a head's layers are adjacent, then the next head's). Neighbouring rows
+    are then neighbours in memory, so a warp's accesses cover longer runs of it.
+    """
+    if n_layers == 1 or pl.layer_stride >= pl.token:
+        return 0
+    return 2 if pl.n_chunks > 1 and pl.layer_stride < pl.chunk else 1
 
 
 def layer_ptr_table(dev_layers, device) -> torch.Tensor:
@@ -162,11 +191,12 @@ def copy_items(pl: Placement, buf: torch.Tensor, dev_layers, dev_ptrs: torch.Ten
     one_tile = interpreting()
     grid = n_tiles if one_tile else max(1, min(n_tiles, max_blocks))
     _copy_items[(grid,)](
-        dev_ptrs, bview, dev_idx if buf_idx is None else buf_idx, dev_idx, item0, n_items, n_rows,
+        dev_ptrs, bview, dev_idx if buf_idx is None else buf_idx, dev_idx, item0, n_items, n_layers, n_rows,
         triton.cdiv(n_tiles, grid), layer0, pl.page // w, pl.token // w, pl.layer_stride // w, pl.chunk // w, pl.page_size,
         pl.n_chunks, chunk_words, pl.item_bytes // w,
         TO_BUF=to_buf, BUF_LINEAR=buf_idx is None, VEC=wp.vec, BLOCK_R=block_r, BLOCK_W=block_w,
-        COL_TILES=triton.cdiv(chunk_words, block_w), ONE_TILE=one_tile, num_warps=NUM_WARPS,
+        COL_TILES=triton.cdiv(chunk_words, block_w), ONE_TILE=one_tile,
+        ORDER=row_order(pl, n_layers) if ROW_ORDER_BY_LAYOUT else 0, num_warps=NUM_WARPS,
     )
     return grid
 
