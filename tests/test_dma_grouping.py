@@ -159,8 +159,23 @@ def test_ramped_plan_starts_small_and_keeps_each_chunk_inside_staging():
         assert moved == host.size
 
 
+def test_mean_copy_counts_close_pitched_rows_once_and_far_ones_each():
+    # llama-3-8b K part, 4096 host slots: page_first keeps a token's layers together,
+    # layer_first puts them 8 MiB apart.
+    lf = LAYOUTS["layer_first"].placement(MHA.components[0], 32, 4096, 1)
+    pf = LAYOUTS["page_first"].placement(MHA.components[0], 32, 4096, 1)
+    scattered = np.random.default_rng(3).permutation(4096)[:512]
+    assert plan(lf, np.arange(512), 32, 128 << 20).mean_copy >= 512 * 2048      # 1 MiB runs, one per layer
+    assert plan(lf, scattered, 32, 128 << 20).mean_copy == pytest.approx(2048, rel=0.01)  # rows 8 MiB apart
+    assert plan(pf, scattered, 32, 128 << 20).mean_copy == pytest.approx(32 * 2048, rel=0.01)  # a token's layers
+    page_head = LAYOUTS["page_head"].placement(MHA.components[0], 32, 4096, 1)
+    p = grouped_plan(page_head, np.arange(512), 16, 128 << 20)
+    assert p.mean_copy >= 512 * 16 * 256                                       # 4 KiB rows 8 KiB apart: close
+
+
 @pytest.mark.parametrize("bad", [{"load_group": -1}, {"load_group": True}, {"load_group": 1.5},
                                  {"group_target": 0.0}, {"group_target": 1.5}, {"batch_min": 0},
+                                 {"kernel_below": -1}, {"kernel_below": 1.5},
                                  {"buffers": 1}])
 def test_dma_config_rejects_bad_values_by_name(bad):
     pytest.importorskip("triton")

@@ -62,6 +62,13 @@ class DMAConfig:
     ``group_target`` of all layers at once, 1 keeps loads strictly layer by
     layer (finest overlap with the forward pass). ``batch_min``: a chunk with
     at least this many 1-D copies queues them in one batched call.
+    ``kernel_below``: a part whose copies would average fewer bytes than
+    this goes through the zero-copy kernel instead (a pitched copy counts
+    once: its rows, when close, move at full speed). On an H200 batched 16
+    KiB copies moved 8.8 GB/s host to device and 21 device to host, 2 KiB
+    copies 2.6 and 5.4, 128 KiB copies 46-49; the kernel moved any row of
+    256 B or more at 36-50 (``bench/results/probe_copy_paths_h200.json``).
+    0 keeps every part on the copy engines.
     """
 
     staging_bytes: int = 128 * MiB
@@ -70,6 +77,7 @@ class DMAConfig:
     load_group: int = 0
     group_target: float = 0.97
     batch_min: int = 8
+    kernel_below: int = 32 * 1024
 
     def __post_init__(self) -> None:
         for name in ("staging_bytes", "buffers", "gather_blocks", "batch_min"):
@@ -78,6 +86,8 @@ class DMAConfig:
             raise ValueError(f"DMAConfig.buffers must be >= 2 so copies and kernels overlap, got {self.buffers}")
         if isinstance(self.load_group, bool) or not isinstance(self.load_group, int) or self.load_group < 0:
             raise ValueError(f"DMAConfig.load_group must be 0 (measure) or a positive layer count, got {self.load_group!r}")
+        if isinstance(self.kernel_below, bool) or not isinstance(self.kernel_below, int) or self.kernel_below < 0:
+            raise ValueError(f"DMAConfig.kernel_below must be a byte count >= 0, got {self.kernel_below!r}")
         if not 0 < self.group_target <= 1:
             raise ValueError(f"DMAConfig.group_target must be in (0, 1], got {self.group_target!r}")
 
@@ -134,17 +144,23 @@ class DMABackend(Backend):
 
     def plan_part(self, part: TransferPart, host_np: np.ndarray, to_host: bool,
                   whole: bool = True) -> DMAPlan | GroupedPlan | None:
-        """The plan for one part, or None where the host slots do not suit DMA.
+        """The plan for one part, or None where the host slots do not suit DMA
+        (the part then goes through the zero-copy kernel).
 
         A backup moves every layer in one plan; a load of every layer
         (``whole``) moves groups of adjacent layers (:meth:`load_group`).
+        Host slots that do not suit DMA: partial pages of a page-jumping
+        layout, and runs so short that the copies would average under
+        ``DMAConfig.kernel_below`` bytes.
         """
         if not dma_capable(part.host, host_np):
             return None
         if to_host:
-            return plan(part.host, host_np, part.layer_num, self.config.staging_bytes, ramp=RAMP_MIN_BYTES)
-        group = self.load_group(part, host_np) if whole else 1
-        return grouped_plan(part.host, host_np, group, self.config.staging_bytes)
+            p = plan(part.host, host_np, part.layer_num, self.config.staging_bytes, ramp=RAMP_MIN_BYTES)
+        else:
+            group = self.load_group(part, host_np) if whole else 1
+            p = grouped_plan(part.host, host_np, group, self.config.staging_bytes)
+        return None if p.mean_copy < self.config.kernel_below else p
 
     def load_group(self, part: TransferPart, host_np: np.ndarray) -> int:
         """Layers per copy for loading ``host_np``.
@@ -190,7 +206,7 @@ class DMABackend(Backend):
         # the trial needs 1/layers of the payload in device memory, not all of it.
         scratch = torch.empty((n, pl.item_bytes), dtype=torch.uint8, device=device)
         trial_part = TransferPart(part.name, part.host_raw, pl, (scratch,) * layers)
-        trial = DMABackend(replace(self.config, load_group=group), self.fallback)
+        trial = DMABackend(replace(self.config, load_group=group, kernel_below=0), self.fallback)
         h = torch.from_numpy(np.ascontiguousarray(host_np[:n]))
         d = torch.arange(n, dtype=torch.int64, device=device)
         stream = torch.cuda.Stream(device)

@@ -78,6 +78,7 @@ def _run_dims(host: Placement, stg: Placement, k: int, layers: int) -> list[tupl
 
 
 TALL_MIN = 8
+CLOSE_PITCH = 8
 
 
 def _run_template(host: Placement, stg: Placement, k: int, layers: int) -> np.ndarray:
@@ -156,6 +157,17 @@ class DMAPlan:
     @property
     def min_width(self) -> int:
         return int(self.copies[:, 2].min()) if len(self.copies) else 0
+
+    @property
+    def mean_copy(self) -> float:
+        """Bytes per copy the engine pays for. A pitched copy whose rows are close (host
+        pitch at most ``CLOSE_PITCH`` widths) counts once: an H200 moved 1 KiB rows 8 KiB
+        apart at the contiguous rate; rows farther apart count one each (2 KiB rows 64 KiB
+        apart moved at 0.6x, ``bench/results/probe_copy_paths_h200.json``)."""
+        w, h, hp = self.tall[:, 2], self.tall[:, 3], self.tall[:, 4]
+        copies = int(np.where(hp <= CLOSE_PITCH * w, 1, h).sum()) + len(self.flat)
+        nbytes = int((w * h).sum()) + int(self.flat[:, 2].sum())
+        return nbytes / copies if copies else 0.0
 
     def chunk(self, i: int) -> tuple[int, int, np.ndarray]:
         """(first item, item count, copies) of chunk ``i``."""
@@ -332,6 +344,10 @@ class GroupedPlan:
     @property
     def min_width(self) -> int:
         return min(p.min_width for p in self.plans.values())
+
+    @property
+    def mean_copy(self) -> float:
+        return self.plans[self.group].mean_copy
 
 
 def grouped_plan(pl: Placement, host_idx: np.ndarray, group: int, staging_bytes: int,
