@@ -9,7 +9,7 @@ import torch
 from kvtier.device_pool import pool_from_spec
 from kvtier.host_pool import host_pool_for
 from kvtier.spec import KVSpec
-from kvtier.transfer.online import OnlineChooser, shape_key
+from kvtier.transfer.online import DUPLEX, OnlineChooser, shape_key
 
 
 def test_explores_each_candidate_in_prior_order_then_keeps_the_fastest():
@@ -36,6 +36,20 @@ def test_the_best_sample_decides_so_one_inflated_first_sample_does_not_condemn_a
         pick = c.pick(key, ["dma", "kernel"])
         c.record(key, pick, next(rates[pick]))
     assert c.pick(key, ["dma", "kernel"]) == "dma" and c.best(key) == "dma"
+
+
+def test_a_shared_transfer_takes_dma_unless_dma_alone_was_far_slower():
+    c = OnlineChooser()
+    solo = ("shape",)
+    shared = solo + (DUPLEX,)
+    assert c.pick(shared, ["kernel", "dma"]) == "dma"          # nothing timed alone yet
+    c.record(solo, "kernel", 50.0)
+    c.record(solo, "dma", 41.0)                                # 0.82 of the kernel: still dma
+    assert c.pick(shared, ["kernel", "dma"]) == "dma"
+    c.record(solo + ("b",), "kernel", 50.0)
+    c.record(solo + ("b",), "dma", 38.0)                       # 0.76 (scattered single tokens)
+    assert c.pick(solo + ("b", DUPLEX), ["kernel", "dma"]) == "kernel"
+    assert c.pick(solo + ("b", DUPLEX), ["dma"]) == "dma"       # only candidate
 
 
 def test_shapes_are_kept_apart_and_bad_samples_ignored():

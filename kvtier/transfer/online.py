@@ -45,12 +45,17 @@ class OnlineChooser:
     and a zero-copy kernel's cost falls on the other one. On an H200 a
     backup and a load together moved 1.50-1.78x of one direction's limit
     when both went through the copy engines and 1.03-1.13x when either was a
-    zero-copy kernel (bench/results/transfer_h200*.json, runs 12-13).
+    zero-copy kernel (bench/results/transfer_h200*.json, runs 12-13). The
+    exception: where ``when_shared`` has been timed alone at under
+    ``shared_margin`` of the best (copies of single scattered tokens, 0.66-0.69x
+    against the kernel's 0.88-0.90x), the pair went faster with the kernel
+    (run 15: 48 vs 58 GB/s), so the best alone is taken.
     """
 
     explore: int = 2
     samples: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
     when_shared: str | None = "dma"
+    shared_margin: float = 0.8
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -58,13 +63,21 @@ class OnlineChooser:
     def pick(self, key, candidates: list[str]) -> str:
         """``candidates`` in prior order (best predicted first)."""
         if self.when_shared in candidates and key and key[-1] == DUPLEX:
-            return self.when_shared
+            solo = {c: v for c, v in self._solo_best(key[:-1]).items() if c in candidates}
+            others = [v for c, v in solo.items() if c != self.when_shared]
+            if self.when_shared not in solo or not others or solo[self.when_shared] >= self.shared_margin * max(others):
+                return self.when_shared
+            return max(solo, key=solo.get)
         with self._lock:
             seen = self.samples[key]
             for c in candidates:
                 if len(seen[c]) < self.explore:
                     return c
             return max(candidates, key=lambda c: max(seen[c]))
+
+    def _solo_best(self, key) -> dict:
+        with self._lock:
+            return {c: max(v) for c, v in self.samples.get(key, {}).items() if v}
 
     def record(self, key, candidate: str, gbps: float) -> None:
         if gbps > 0 and math.isfinite(gbps):
