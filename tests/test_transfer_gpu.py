@@ -24,6 +24,20 @@ SPECS = {
 CASES = [(s, lay, ps) for s, spec in SPECS.items() for lay in SUPPORTED[spec.kind] for ps in (1, 16)]
 
 
+@pytest.fixture(autouse=True)
+def _copy_engines_for_every_part():
+    """These shapes are tiny: with its default ``kernel_below`` the DMA backend would send
+    every part through the kernel, and the copy paths would go untested."""
+    from dataclasses import replace
+
+    from kvtier.transfer.base import get_backend
+    dma = get_backend("dma", torch.device("cuda"))
+    old = dma.config
+    dma.config = replace(old, kernel_below=0)
+    yield
+    dma.config = old
+
+
 def _pools(spec, ps, layout, tokens=256):
     dev = pool_from_spec(spec, 2 * tokens, ps, "cuda")
     for st in dev.stacks.values():
@@ -138,7 +152,7 @@ def test_grouped_dma_loads_signal_each_layer_after_its_bytes(layout, group):
     ps = 16
     dev, host = _pools(spec, ps, layout, tokens=1024)
     eng = TransferEngine(host, "dma")
-    eng.backend = DMABackend(DMAConfig(load_group=group, batch_min=1))
+    eng.backend = DMABackend(DMAConfig(load_group=group, batch_min=1, kernel_below=0))
     rng = np.random.default_rng(group)
     h = _pages(rng, host.page_num, 40, ps, contiguous=group == 1)
     d = _pages(rng, dev.size // ps // 2, 40, ps)
@@ -272,5 +286,38 @@ def test_index_copies_are_kept_until_read_while_the_stream_is_busy(backend):
     torch.cuda.synchronize()
     for c in host.component_tensors:
         assert torch.equal(host.raw_bytes(c), ref.raw_bytes(c))
+    host.close()
+    ref.close()
+
+
+@pytest.mark.parametrize("idx_device", ["cpu", "cuda"])
+def test_dma_sends_parts_with_short_copies_through_the_kernel(idx_device):
+    """DSA at page 16, scattered host pages: the K/V part's copies are long enough for the copy
+    engine, the index-K part's are not; one transfer mixes both paths and moves every byte."""
+    from kvtier.transfer.dma import DMABackend, DMAConfig
+    spec = SPECS["dsa"]
+    ps = 16
+    dev, host = _pools(spec, ps, "layer_first", tokens=1024)
+    ref = host_pool_for(dev, "layer_first", host_size_tokens=host.size)
+    rng = np.random.default_rng(7)
+    h = _pages(rng, host.page_num, 40, ps)
+    d = _pages(rng, dev.size // ps // 2, 40, ps)
+    probe = DMABackend(DMAConfig(kernel_below=0))
+    sizes = {p.name: probe.plan_part(p, h.numpy(), True).mean_copy for p in host.transfer_parts()}
+    assert len(set(sizes.values())) == 2, sizes
+    eng = TransferEngine(host, "dma")
+    eng.backend = DMABackend(DMAConfig(kernel_below=int(np.sqrt(np.prod(list(sizes.values()))))))
+    for hp in (host, ref):
+        for c in hp.component_tensors:
+            hp.raw_bytes(c).fill_(0xA5)
+    ref.backup_from_device_all_layer(dev, h, d, "direct")
+    eng.backup(h.to(idx_device), d.to(idx_device)).synchronize()
+    for c in host.component_tensors:
+        assert torch.equal(host.raw_bytes(c), ref.raw_bytes(c)), c
+    d2 = d + dev.size // 2
+    ld = eng.load(h.to(idx_device), d2.to(idx_device))
+    ld.synchronize()
+    for k, st in dev.stacks.items():
+        assert torch.equal(_b(st[:, d2.cuda()]), _b(st[:, d.cuda()])), k
     host.close()
     ref.close()
