@@ -20,7 +20,7 @@ from kvtier.spec import KVSpec
 from hypothesis import given, strategies as st
 
 from kvtier.transfer.dma_plan import (RAMP_DIV, chunk_bounds, choose_group, group_sizes, grouped_plan,
-                                      narrow_layer_rows, plan, split_copies)
+                                      mean_copy_bound, narrow_layer_rows, plan, split_copies)
 
 PROBE = json.loads((Path(__file__).parent.parent / "bench/results/probe_host_issue_h200.json").read_text())
 MHA = KVSpec("mha", 32, torch.bfloat16, head_num=8, head_dim=128)    # llama-3-8b: 2 KiB K or V rows
@@ -171,6 +171,21 @@ def test_mean_copy_counts_close_pitched_rows_once_and_far_ones_each():
     page_head = LAYOUTS["page_head"].placement(MHA.components[0], 32, 4096, 1)
     p = grouped_plan(page_head, np.arange(512), 16, 128 << 20)
     assert p.mean_copy >= 512 * 16 * 256                                       # 4 KiB rows 8 KiB apart: close
+
+
+@given(layout=st.sampled_from(["layer_first", "page_first", "page_head"]), ps=st.sampled_from([1, 4, 16]),
+       layers=st.sampled_from([1, 3, 32]), n_pages=st.integers(1, 120), seed=st.integers(0, 2**16),
+       run=st.sampled_from([1, 3, 50]), stage_kib=st.sampled_from([64, 1024, 1 << 17]))
+def test_mean_copy_bound_never_underestimates_the_plan(layout, ps, layers, n_pages, seed, run, stage_kib):
+    """The DMA backend skips planning when the bound is under ``kernel_below``: it must never
+    be below what the plan would have given, or a transfer DMA suits would go to the kernel."""
+    pl = LAYOUTS[layout].placement(MHA.components[0], 32, 4096, ps)
+    rng = np.random.default_rng(seed)
+    starts = rng.permutation(4096 // ps // run)[: max(1, n_pages // run)] * run
+    pages = (starts[:, None] + np.arange(run)).reshape(-1)[:n_pages]
+    host = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
+    exact = plan(pl, host, layers, stage_kib << 10).mean_copy
+    assert mean_copy_bound(pl, host, layers, stage_kib << 10) >= exact * (1 - 1e-9)
 
 
 @pytest.mark.parametrize("bad", [{"load_group": -1}, {"load_group": True}, {"load_group": 1.5},

@@ -34,7 +34,8 @@ import torch
 
 from .base import Backend, TransferPart
 from .cudart import has_batch, memcpy2d, memcpy_batch
-from .dma_plan import RAMP_MIN_BYTES, DMAPlan, GroupedPlan, choose_group, dma_capable, grouped_plan, plan, run_class
+from .dma_plan import (RAMP_MIN_BYTES, DMAPlan, GroupedPlan, choose_group, dma_capable, grouped_plan,
+                       mean_copy_bound, plan, run_class)
 from .kernel import KernelBackend, PartTables, check_mapped, host_numpy, on_device
 from .timing import event_seconds
 from .triton_kernels import WordPlan, copy_items
@@ -155,11 +156,14 @@ class DMABackend(Backend):
         """
         if not dma_capable(part.host, host_np):
             return None
+        layers = part.layer_num if to_host else (self.load_group(part, host_np) if whole else 1)
+        # The bound costs well under a millisecond; planning 32k scattered slots, several.
+        if mean_copy_bound(part.host, host_np, layers, self.config.staging_bytes) < self.config.kernel_below:
+            return None
         if to_host:
-            p = plan(part.host, host_np, part.layer_num, self.config.staging_bytes, ramp=RAMP_MIN_BYTES)
+            p = plan(part.host, host_np, layers, self.config.staging_bytes, ramp=RAMP_MIN_BYTES)
         else:
-            group = self.load_group(part, host_np) if whole else 1
-            p = grouped_plan(part.host, host_np, group, self.config.staging_bytes)
+            p = grouped_plan(part.host, host_np, layers, self.config.staging_bytes)
         return None if p.mean_copy < self.config.kernel_below else p
 
     def load_group(self, part: TransferPart, host_np: np.ndarray) -> int:
