@@ -52,6 +52,18 @@ def test_a_shared_transfer_takes_dma_unless_dma_alone_was_far_slower():
     assert c.pick(solo + ("b", DUPLEX), ["dma"]) == "dma"       # only candidate
 
 
+def test_a_shared_transfer_keeps_its_best_alone_when_the_other_way_goes_by_kernel():
+    c = OnlineChooser()
+    solo = ("shape",)
+    c.record(solo, "kernel", 50.0)
+    c.record(solo, "dma", 45.0)
+    shared = solo + (DUPLEX,)
+    assert c.pick(shared, ["kernel", "dma"], partner="dma") == "dma"
+    assert c.pick(shared, ["kernel", "dma"], partner=None) == "dma"
+    assert c.pick(shared, ["kernel", "dma"], partner="kernel") == "kernel"  # the pair gains nothing
+    assert c.pick(shared, ["dma", "kernel"], partner="kernel") == "kernel"  # whatever the prior's order
+
+
 def test_shapes_are_kept_apart_and_bad_samples_ignored():
     c = OnlineChooser(explore=1)
     c.record("a", "kernel", 10.0)

@@ -49,7 +49,8 @@ class OnlineChooser:
     exception: where ``when_shared`` has been timed alone at under
     ``shared_margin`` of the best (copies of single scattered tokens, 0.66-0.69x
     against the kernel's 0.88-0.90x), the pair went faster with the kernel
-    (run 15: 48 vs 58 GB/s), so the best alone is taken.
+    (run 15: 48 vs 58 GB/s), so the best alone is taken; likewise when the
+    transfer the other way went by the kernel (``pick``'s ``partner``).
     """
 
     explore: int = 2
@@ -60,14 +61,19 @@ class OnlineChooser:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
 
-    def pick(self, key, candidates: list[str]) -> str:
-        """``candidates`` in prior order (best predicted first)."""
+    def pick(self, key, candidates: list[str], partner: str | None = None) -> str:
+        """``candidates`` in prior order (best predicted first). ``partner``: what the transfer
+        the other way, sharing the link, went by last (if known): DMA gains nothing in a pair
+        whose other half is a zero-copy kernel, so then the best alone is taken."""
         if self.when_shared in candidates and key and key[-1] == DUPLEX:
             solo = {c: v for c, v in self._solo_best(key[:-1]).items() if c in candidates}
             others = [v for c, v in solo.items() if c != self.when_shared]
-            if self.when_shared not in solo or not others or solo[self.when_shared] >= self.shared_margin * max(others):
+            fit = (self.when_shared not in solo or not others
+                   or solo[self.when_shared] >= self.shared_margin * max(others))
+            if fit and partner in (None, self.when_shared):
                 return self.when_shared
-            return max(solo, key=solo.get)
+            if solo:
+                return max(solo, key=solo.get)
         with self._lock:
             seen = self.samples[key]
             for c in candidates:
