@@ -52,16 +52,15 @@ def test_a_shared_transfer_takes_dma_unless_dma_alone_was_far_slower():
     assert c.pick(solo + ("b", DUPLEX), ["dma"]) == "dma"       # only candidate
 
 
-def test_a_shared_transfer_keeps_its_best_alone_when_the_other_way_goes_by_kernel():
+def test_a_shared_transfer_keeps_its_best_alone_when_the_other_way_can_only_use_the_kernel():
     c = OnlineChooser()
     solo = ("shape",)
     c.record(solo, "kernel", 50.0)
     c.record(solo, "dma", 45.0)
     shared = solo + (DUPLEX,)
-    assert c.pick(shared, ["kernel", "dma"], partner="dma") == "dma"
-    assert c.pick(shared, ["kernel", "dma"], partner=None) == "dma"
-    assert c.pick(shared, ["kernel", "dma"], partner="kernel") == "kernel"  # the pair gains nothing
-    assert c.pick(shared, ["dma", "kernel"], partner="kernel") == "kernel"  # whatever the prior's order
+    assert c.pick(shared, ["kernel", "dma"]) == "dma"
+    assert c.pick(shared, ["kernel", "dma"], partner_kernel_only=True) == "kernel"  # the pair gains nothing
+    assert c.pick(shared, ["dma", "kernel"], partner_kernel_only=True) == "kernel"  # whatever the prior's order
 
 
 def test_shapes_are_kept_apart_and_bad_samples_ignored():

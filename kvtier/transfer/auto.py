@@ -132,7 +132,7 @@ class AutoBackend(Backend):
         self.last_choice: list[str] = []
         self.last_blocks = 0
         self.picks: Counter = Counter()  # (direction, choice) -> transfers, for reports
-        self._last_pick: dict[bool, str] = {}  # per direction (to_host): the last transfer's choice
+        self._dma_able: dict[bool, bool] = {}  # per direction (to_host): could its last transfer use DMA?
 
     @property
     def settling_transfers(self) -> int:
@@ -206,8 +206,8 @@ class AutoBackend(Backend):
         if candidates is None:  # first transfer of this shape: rank by the prior
             dma_plans = planned()
             candidates = self._candidates[base] = self.ranked(parts, dma_plans, host_np.size, to_host)
-        choice = self.chooser.pick(key, candidates, self._last_pick.get(not to_host))
-        self._last_pick[to_host] = choice
+        self._dma_able[to_host] = "dma" in candidates
+        choice = self.chooser.pick(key, candidates, not self._dma_able.get(not to_host, True))
         self.picks[("backup" if to_host else "load", choice)] += 1
         plans = planned() if choice == "dma" else [None] * len(parts)
         self.last_choice = ["kernel" if p is None else "dma" for p in plans]

@@ -50,7 +50,7 @@ class OnlineChooser:
     ``shared_margin`` of the best (copies of single scattered tokens, 0.66-0.69x
     against the kernel's 0.88-0.90x), the pair went faster with the kernel
     (run 15: 48 vs 58 GB/s), so the best alone is taken; likewise when the
-    transfer the other way went by the kernel (``pick``'s ``partner``).
+    transfers the other way can only go by the kernel.
     """
 
     explore: int = 2
@@ -61,16 +61,18 @@ class OnlineChooser:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
 
-    def pick(self, key, candidates: list[str], partner: str | None = None) -> str:
-        """``candidates`` in prior order (best predicted first). ``partner``: what the transfer
-        the other way, sharing the link, went by last (if known): DMA gains nothing in a pair
-        whose other half is a zero-copy kernel, so then the best alone is taken."""
+    def pick(self, key, candidates: list[str], partner_kernel_only: bool = False) -> str:
+        """``candidates`` in prior order (best predicted first). ``partner_kernel_only``: the
+        transfers the other way, sharing the link, can only go by the kernel; DMA then gains
+        nothing in the pair, and the best alone is taken. (Only what the other way *can* do
+        counts, not what it last chose: two directions each waiting for the other to take
+        DMA first would keep a pair on kernels for good.)"""
         if self.when_shared in candidates and key and key[-1] == DUPLEX:
             solo = {c: v for c, v in self._solo_best(key[:-1]).items() if c in candidates}
             others = [v for c, v in solo.items() if c != self.when_shared]
             fit = (self.when_shared not in solo or not others
                    or solo[self.when_shared] >= self.shared_margin * max(others))
-            if fit and partner in (None, self.when_shared):
+            if fit and not partner_kernel_only:
                 return self.when_shared
             if solo:
                 return max(solo, key=solo.get)
