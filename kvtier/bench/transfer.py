@@ -209,7 +209,6 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
     combos = [(k, lay, ps) for k in kinds for lay in SUPPORTED[k] for ps in page_sizes]
     total = len(combos) * 2 * len(DIRECTIONS) * len(backends)
     rows: list[Row] = []
-    last_groups, last_picks = [None], [Counter()]
     bar = tqdm(total=total, desc="bench transfer", disable=not progress)
     limits = None
     for kind, layout, ps in combos:
@@ -232,18 +231,18 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                 engine = TransferEngine(case.host, name, block_quota=quota)
                 for direction in DIRECTIONS:
                     bar.set_postfix_str(f"{kind} {layout} p{ps} {direction} {backend}")
-                    picks = Counter(getattr(engine.backend, "picks", {}))
+                    before = Counter(getattr(engine.backend, "picks", {}))
                     gbps = measure(case, engine, direction, idx, clock, reps)
                     sms = getattr(engine.backend, "last_blocks", 0)
-                    last_groups[0] = load_groups(engine.backend) if direction == "load" else None
-                    last_picks[0] = Counter(getattr(engine.backend, "picks", {})) - picks
+                    groups = load_groups(engine.backend) if direction == "load" else None
+                    picks = Counter(getattr(engine.backend, "picks", {})) - before
                     lim = limits[direction]
                     rows.append(Row(kind, layout, ps, direction, backend,
                                     "scattered" if scattered else "allocator",
                                     round(gbps, 2), round(lim, 2), round(gbps / lim, 3), sms))
                     bar.update()
                     if on_row:
-                        on_row(rows, last_groups[0], last_picks[0])
+                        on_row(rows, groups, picks)
         case.host.close()
         del case
     bar.close()
@@ -260,8 +259,8 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
 
 
 def _with_limits(r: Row, limits: dict) -> Row:
-    key = r.direction if r.kind != "all" else {"both": "duplex"}.get(r.direction, r.direction)
-    gbps = round(limits[key], 2) if r.kind == "all" else r.gbps
+    """``r`` against ``limits``; the contiguous rows (kind "all") take the limits themselves."""
+    gbps = round(limits[{"both": "duplex"}.get(r.direction, r.direction)], 2) if r.kind == "all" else r.gbps
     lim = round(limits[r.direction], 2)
     return Row(r.kind, r.layout, r.page_size, r.direction, r.backend, r.host_slots, gbps, lim, round(gbps / lim, 3), r.sms)
 

@@ -239,8 +239,7 @@ class DMABackend(Backend):
 
         ``whole``: a load's ``run`` will be called for every layer, in order,
         so adjacent layers may be copied together. Parts whose host slots do
-        not suit DMA (partial pages of a page-jumping layout) go through the
-        kernel backend.
+        not suit DMA (:meth:`plan_part`) go through the kernel backend.
         """
         for part in parts:
             check_mapped(part)

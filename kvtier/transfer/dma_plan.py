@@ -272,15 +272,16 @@ def plan(pl: Placement, host_idx: np.ndarray, layers: int, staging_bytes: int,
     chunk_of = np.searchsorted(bounds, starts, side="right") - 1
     out, owner = [], []
     for k in np.unique(lengths).tolist():
-        sel = starts[lengths == k]
+        of_k = lengths == k
+        sel = starts[of_k]
         tpl = _run_template(pl, stg, int(k), layers)
         h0 = _offsets(pl, host_idx[sel])
-        s0 = _offsets(stg, sel - bounds[chunk_of[lengths == k]])
+        s0 = _offsets(stg, sel - bounds[chunk_of[of_k]])
         rows = np.repeat(tpl[None, :, :], sel.size, axis=0)
         rows[:, :, 0] += h0[:, None]
         rows[:, :, 1] += s0[:, None]
         out.append(rows.reshape(-1, 6))
-        owner.append(np.repeat(chunk_of[lengths == k], len(tpl)))
+        owner.append(np.repeat(chunk_of[of_k], len(tpl)))
     copies = np.concatenate(out) if out else np.zeros((0, 6), np.int64)
     owner_all = np.concatenate(owner) if owner else np.zeros(0, np.int64)
     order = np.argsort(owner_all, kind="stable")
