@@ -153,3 +153,20 @@ def test_a_transfer_sharing_the_link_goes_by_dma_where_it_can():
     assert c.pick(shared, ["kernel"]) == "kernel"          # where DMA is no candidate (e.g. one slot per run)
     assert c.pick(shared[:-1], ["kernel", "dma"]) == "kernel"  # alone: unexplored kernel first, by the prior
     assert OnlineChooser(when_shared=None).pick(shared, ["kernel", "dma"]) == "kernel"
+
+
+def test_bench_sample_note_names_the_shapes_a_row_added_to_with_counts_and_best_rates():
+    from types import SimpleNamespace
+
+    from kvtier.bench.transfer import sample_counts, sample_note
+    chooser = OnlineChooser(explore=2)
+    backend = SimpleNamespace(chooser=chooser)
+    solo, shared, other = (True, "g", 20, 3), (True, "g", 20, 3, DUPLEX), (False, "g", 20, 3)
+    chooser.record(other, "kernel", 40.0)
+    before = sample_counts(backend)
+    for key, cand, rate in ((solo, "dma", 41.25), (solo, "dma", 44.0), (solo, "kernel", 49.8), (shared, "dma", 30.0)):
+        chooser.record(key, cand, rate)
+    note = sample_note(backend, before)
+    assert note == "backup dma:2@44.0 kernel:1@49.8; backup/duplex dma:1@30.0"  # the load shape did not change
+    assert sample_note(backend, sample_counts(backend)) == ""
+    assert sample_note(SimpleNamespace(), {}) == "" and sample_counts(object()) == {}

@@ -25,6 +25,7 @@ from ..host_pool import host_pool_for
 from ..layouts import SUPPORTED
 from ..spec import preset
 from ..transfer import TransferEngine
+from ..transfer.online import DUPLEX
 
 SHAPES = {"mha": "llama-3-8b", "mla": "deepseek-v3", "dsa": "glm-dsa"}
 PAGE_SIZES = (1, 64, 16)  # the acceptance rows (1, 64) first
@@ -199,7 +200,8 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
     the end (the higher of the two counts), have been applied to every row's ratio.
 
     ``groups`` is the layers-per-copy of a DMA load row (None otherwise), ``picks`` what auto
-    chose during the row (``{(direction, backend): transfers}``, warm-up included), for the log.
+    chose during the row (``{(direction, backend): transfers}``, warm-up included), for the log;
+    ``samples`` the timed samples auto holds for the shapes the row added to (:func:`sample_note`).
     """
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -232,6 +234,7 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                 for direction in DIRECTIONS:
                     bar.set_postfix_str(f"{kind} {layout} p{ps} {direction} {backend}")
                     before = Counter(getattr(engine.backend, "picks", {}))
+                    seen = sample_counts(engine.backend)
                     gbps = measure(case, engine, direction, idx, clock, reps)
                     sms = getattr(engine.backend, "last_blocks", 0)
                     groups = load_groups(engine.backend) if direction == "load" else None
@@ -242,7 +245,7 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                                     round(gbps, 2), round(lim, 2), round(gbps / lim, 3), sms))
                     bar.update()
                     if on_row:
-                        on_row(rows, groups, picks)
+                        on_row(rows, groups, picks, samples=sample_note(engine.backend, seen))
         case.host.close()
         del case
     bar.close()
@@ -263,6 +266,30 @@ def _with_limits(r: Row, limits: dict) -> Row:
     gbps = round(limits[{"both": "duplex"}.get(r.direction, r.direction)], 2) if r.kind == "all" else r.gbps
     lim = round(limits[r.direction], 2)
     return Row(r.kind, r.layout, r.page_size, r.direction, r.backend, r.host_slots, gbps, lim, round(gbps / lim, 3), r.sms)
+
+
+def sample_counts(backend) -> dict:
+    """How many timed samples auto's chooser holds per shape and candidate (empty for others)."""
+    chooser = getattr(backend, "chooser", None)
+    if chooser is None:
+        return {}
+    return {key: {c: len(v) for c, v in by.items()} for key, by in list(chooser.samples.items())}
+
+
+def sample_note(backend, before: dict) -> str:
+    """The samples of every shape that gained some since ``before`` (:func:`sample_counts`):
+    ``backup/duplex dma:4@41.2 kernel:2@49.8`` is direction, whether the link was shared,
+    and per candidate the count and best GB/s: what auto's picks were made from."""
+    chooser = getattr(backend, "chooser", None)
+    if chooser is None:
+        return ""
+    out = []
+    for key, by in list(chooser.samples.items()):
+        if {c: len(v) for c, v in by.items()} == before.get(key):
+            continue
+        head = ("backup" if key[0] else "load") + ("/duplex" if key[-1] == DUPLEX else "")
+        out.append(head + " " + " ".join(f"{c}:{len(v)}@{max(v):.1f}" for c, v in sorted(by.items()) if v))
+    return "; ".join(out)
 
 
 def load_groups(backend) -> list[int] | None:
@@ -309,7 +336,7 @@ def transfer(tokens, reps, backends, kinds, page_sizes, quick, verbose, json_pat
         tokens, reps = 256, 1
     start = time.perf_counter()
 
-    def save(rows, groups=None, picks=None, final=False):
+    def save(rows, groups=None, picks=None, final=False, samples=""):
         if verbose and final:
             lim = {r.direction: r.gbps for r in rows if r.kind == "all"}
             click.echo(f"limits, best of the start and the end of the run: {lim}", err=True)
@@ -318,6 +345,8 @@ def transfer(tokens, reps, backends, kinds, page_sizes, quick, verbose, json_pat
             extra = f" layers/copy={groups}" if groups else ""
             if picks:
                 extra += " picks=" + ",".join(f"{d}:{c}x{n}" for (d, c), n in sorted(picks.items()))
+            if samples:
+                extra += f" samples=[{samples}]"
             click.echo(f"[{time.perf_counter() - start:6.1f}s] {r.kind} {r.layout} p{r.page_size} {r.direction} "
                        f"{r.host_slots} {r.backend}: {r.gbps} GB/s ({r.ratio}x) sms={r.sms}{extra}", err=True)
         if json_path:
