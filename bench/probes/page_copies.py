@@ -17,8 +17,6 @@ Usage: python bench/probes/page_copies.py OUT.json [--tokens N]
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -29,32 +27,17 @@ import kvtier.transfer.dma_plan as plan_mod
 from kvtier.bench.transfer import Case, Clock, contiguous_limit
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.dma import DMABackend, DMAConfig, MiB
+from probelib import JsonLog, args, transfer
 
-PATH = sys.argv[1] if len(sys.argv) > 1 else "/tmp/probe_page_copies.json"
-TOKENS = int(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else 32768
-out: dict = {"tokens": TOKENS}
+PATH, TOKENS = args("/tmp/probe_page_copies.json")
+log = JsonLog(PATH, tokens=TOKENS)
 clock = Clock(True)
-
-
-def log(k, v):
-    out[k] = v
-    print(k, v, flush=True)
-    with open(PATH, "w") as f:
-        json.dump(out, f, indent=1)
 
 
 def rate(case, cfg, idx, to_host):
     eng = TransferEngine(case.host, "dma")
     eng.backend = DMABackend(cfg)
-    h, d = idx[0], idx[1]
-
-    def go():
-        if to_host:
-            eng.backup(h, d).wait()
-        else:
-            ld = eng.load(h, d)
-            ld.wait_layer(ld.layer_num - 1)
-    return round(case.nbytes / clock.median(go, 3, 1) / 1e9, 2)
+    return round(case.nbytes / clock.median(lambda: transfer(eng, idx[0], idx[1], to_host), 3, 1) / 1e9, 2)
 
 
 def main():

@@ -1,0 +1,36 @@
+"""What the probes share: their command line, a JSON log written after every entry, one timed transfer."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def args(default_path: str) -> tuple[str, int]:
+    """``OUT.json [--tokens N]`` from the command line (32,768 tokens by default)."""
+    path = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else default_path
+    tokens = int(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else 32768
+    return path, tokens
+
+
+class JsonLog:
+    """Entries printed as they come and the whole log rewritten each time, so a probe
+    stopped by its time box still leaves what it measured."""
+
+    def __init__(self, path: str, **head):
+        self.path, self.out = path, dict(head)
+
+    def __call__(self, key: str, value) -> None:
+        self.out[key] = value
+        print(key, value, flush=True)
+        with open(self.path, "w") as f:
+            json.dump(self.out, f, indent=1)
+
+
+def transfer(engine, h, d, to_host: bool) -> None:
+    """One backup (all layers) or per-layer load, queued and waited for on the current stream."""
+    if to_host:
+        engine.backup(h, d).wait()
+    else:
+        ld = engine.load(h, d)
+        ld.wait_layer(ld.layer_num - 1)
