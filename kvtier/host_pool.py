@@ -178,7 +178,7 @@ class HostKVCache:
         """Copy ``device_indices`` of every layer into ``host_indices`` (device -> host)."""
         parts = self.transfer_parts(device_pool)
         backend = get_backend(io_backend, _pool_device(device_pool))
-        host_indices, device_indices = self._check_indices(host_indices, device_indices, device_pool)
+        host_indices, device_indices = self._check_indices(host_indices, device_indices, device_pool)[:2]
         backend.backup(parts, host_indices, device_indices, block_quota)
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id: int,
@@ -188,19 +188,24 @@ class HostKVCache:
         backend = get_backend(io_backend, _pool_device(device_pool))
         if not isinstance(layer_id, (int, np.integer)) or not 0 <= layer_id < self.layer_num:
             raise ValueError(f"layer_id must be in 0..{self.layer_num - 1}, got {layer_id!r}")
-        host_indices, device_indices = self._check_indices(host_indices, device_indices, device_pool)
+        host_indices, device_indices = self._check_indices(host_indices, device_indices, device_pool)[:2]
         backend.load(parts, host_indices, device_indices, int(layer_id))
 
-    def _check_indices(self, host_indices, device_indices, device_pool):
+    def _check_indices(self, host_indices, device_indices, device_pool, want_numpy: bool = False):
+        """``(h, d, h_np, d_np)``: both as int64 tensors, checked when ``validate_indices``,
+        and their host copies where the check read them (or ``want_numpy``), else None.
+        CUDA indices are read back once here, not again by whoever plans the transfer."""
         h = _as_index_tensor(host_indices, "host_indices")
         d = _as_index_tensor(device_indices, "device_indices")
         if h.numel() != d.numel():
             raise ValueError(
                 f"host_indices has {h.numel()} slots but device_indices has {d.numel()}; they must pair up"
             )
-        if not self.validate_indices or h.numel() == 0:
-            return h, d
+        if not (self.validate_indices or want_numpy) or h.numel() == 0:
+            return h, d, None, None
         hc, dc = _numpy(h), _numpy(d)
+        if not self.validate_indices:
+            return h, d, hc, dc
         _check_range(hc, self.size, "host_indices", "host pool")
         _check_range(dc, device_pool.size, "device_indices", "device pool")
         if self.KIND == DSA and self.page_size > 1:
@@ -211,7 +216,7 @@ class HostKVCache:
                 raise ValueError(
                     f"DSA index-K pages are block-split and only move as whole pages: {e}"
                 ) from None
-        return h, d
+        return h, d, hc, dc
 
     def _check_device_pool(self, pool) -> None:
         other = spec_of(pool, self.KIND)

@@ -321,3 +321,36 @@ def test_dma_sends_parts_with_short_copies_through_the_kernel(idx_device):
         assert torch.equal(_b(st[:, d2.cuda()]), _b(st[:, d.cuda()])), k
     host.close()
     ref.close()
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("backend", ["dma", "auto"])
+def test_cuda_indices_are_read_back_once_per_transfer(backend, validate, monkeypatch):
+    """With index tensors on the GPU the engine reads each back to the host once (the check
+    and the planning share that copy), and the bytes still arrive."""
+    import kvtier.transfer.triton_kernels as tk
+    spec = SPECS["mha_odd"]
+    dev, host = _pools(spec, 1, "layer_first")
+    host.validate_indices = validate
+    eng = TransferEngine(host, backend)
+    rng = np.random.default_rng(5)
+    h, d = _pages(rng, host.size, 64, 1).cuda(), _pages(rng, dev.size, 64, 1).cuda()
+    eng.backup(h, d).synchronize()  # auto: its first transfer of a shape calibrates and ranks
+    reads = []
+    real = tk.fetch_index_to_host
+
+    def counted(idx):
+        reads.append(idx.numel())
+        return real(idx)
+    monkeypatch.setattr(tk, "fetch_index_to_host", counted)
+    eng.backup(h, d).synchronize()
+    assert reads == [64, 64]  # host and device slots, once each
+    reads.clear()
+    back = torch.arange(dev.size - 64, dev.size, device="cuda")
+    eng.load(h, back).synchronize()
+    assert reads == [64, 64]
+    from kvtier.device_pool import layer_attr
+    for c in spec.components:
+        for buf in getattr(dev, layer_attr(c.name)):
+            assert torch.equal(_b(buf[back]), _b(buf[d]))
+    host.close()

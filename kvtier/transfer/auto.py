@@ -173,7 +173,8 @@ class AutoBackend(Backend):
     def load(self, parts, host_idx, dev_idx, layer):
         self.prepare(parts, host_idx, dev_idx, False, whole=False)(layer)
 
-    def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None, whole: bool = True):
+    def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None, whole: bool = True,
+                host_np: np.ndarray | None = None):
         """Choose kernel or DMA for this transfer from measured times; returns ``run(layer)``.
 
         The transfer is timed with device events from this call (so the
@@ -189,7 +190,7 @@ class AutoBackend(Backend):
         device = parts[0].device_layers[0].device
         start = torch.cuda.Event(enable_timing=True)
         start.record(torch.cuda.current_stream(device))
-        host_np = host_numpy(host_idx)
+        host_np = host_numpy(host_idx) if host_np is None else host_np
         per_run = sum(host_np.size * p.item_bytes * (p.layer_num if to_host else 1) for p in parts)
         base = shape_key(to_host, parts, host_np, per_run)
         # A transfer the other way shares the link: its samples are kept apart, and one

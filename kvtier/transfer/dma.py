@@ -234,16 +234,18 @@ class DMABackend(Backend):
         # One layer on its own: no group, whatever the layout.
         self.prepare(parts, host_idx, dev_idx, layer is None, whole=False)(layer)
 
-    def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None, whole: bool = True):
+    def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None, whole: bool = True,
+                host_np: np.ndarray | None = None):
         """Plans made once; returns ``run(layer)`` (``layer=None`` for a backup).
 
         ``whole``: a load's ``run`` will be called for every layer, in order,
         so adjacent layers may be copied together. Parts whose host slots do
         not suit DMA (:meth:`plan_part`) go through the kernel backend.
+        ``host_np``: ``host_idx`` already read to the host, if the caller has it.
         """
         for part in parts:
             check_mapped(part)
-        host_np = host_numpy(host_idx)
+        host_np = host_numpy(host_idx) if host_np is None else host_np
         plans = [self.plan_part(p, host_np, to_host, whole) for p in parts]
         return self.runner(parts, plans, host_idx, dev_idx, block_quota)
 

@@ -186,11 +186,12 @@ class TransferEngine:
         return handle
 
     def _cuda(self, host_indices, device_indices, to_host: bool, nbytes: int):
-        h, d = self.host_pool._check_indices(host_indices, device_indices, self.device_pool)
+        h, d, h_np, d_np = self.host_pool._check_indices(host_indices, device_indices, self.device_pool,
+                                                         want_numpy=True)
+        if h_np is None:  # no slots
+            h_np, d_np = np.zeros(0, np.int64), np.zeros(0, np.int64)
         parts = self.host_pool.transfer_parts()
         stream = self.backup_stream if to_host else self.load_stream
-        from .kernel import host_numpy  # imports Triton: only on CUDA
-        h_np, d_np = host_numpy(h), host_numpy(d)
         producer = torch.cuda.current_stream(self.device)
         stream.wait_stream(producer)
         self._order_after_conflicts(stream, h_np, d_np, to_host)
@@ -198,7 +199,7 @@ class TransferEngine:
             if t.device.type == "cuda":
                 t.record_stream(stream)
         with torch.cuda.stream(stream):
-            run = self._runner(parts, h, d, to_host)
+            run = self._runner(parts, h, d, to_host, h_np)
             if to_host:
                 run(None)
                 event = torch.cuda.Event()
@@ -214,10 +215,10 @@ class TransferEngine:
         self._inflight.append(_InFlight(handle, h_np, d_np, to_host))
         return handle
 
-    def _runner(self, parts, h, d, to_host: bool):
+    def _runner(self, parts, h, d, to_host: bool, h_np: np.ndarray):
         prepare = getattr(self.backend, "prepare", None)
         if prepare is not None:
-            return prepare(parts, h, d, to_host, self.block_quota)
+            return prepare(parts, h, d, to_host, self.block_quota, host_np=h_np)
         if to_host:
             return lambda layer: self.backend.backup(parts, h, d, self.block_quota)
         return lambda layer: self.backend.load(parts, h, d, layer)
