@@ -346,7 +346,7 @@ def test_cuda_indices_are_read_back_once_per_transfer(backend, validate, monkeyp
     eng.backup(h, d).synchronize()
     assert reads == [64, 64]  # host and device slots, once each
     reads.clear()
-    back = torch.arange(dev.size - 64, dev.size, device="cuda")
+    back = torch.from_numpy(np.setdiff1d(np.arange(dev.size), d.cpu().numpy())[-64:]).cuda()  # not d's slots
     eng.load(h, back).synchronize()
     assert reads == [64, 64]
     from kvtier.device_pool import layer_attr
