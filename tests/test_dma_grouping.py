@@ -19,7 +19,7 @@ from kvtier.layouts import LAYOUTS
 from kvtier.spec import KVSpec
 from hypothesis import given, strategies as st
 
-from kvtier.transfer.dma_plan import (RAMP_DIV, chunk_bounds, choose_group, group_sizes, grouped_plan,
+from kvtier.transfer.dma_plan import (RAMP_DIV, ChunkedPlan, chunk_bounds, choose_group, group_sizes, grouped_plan,
                                       mean_copy_bound, narrow_layer_rows, plan, split_copies)
 
 PROBE = json.loads((Path(__file__).parent.parent / "bench/results/probe_host_issue_h200.json").read_text())
@@ -186,6 +186,34 @@ def test_mean_copy_bound_never_underestimates_the_plan(layout, ps, layers, n_pag
     host = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
     exact = plan(pl, host, layers, stage_kib << 10).mean_copy
     assert mean_copy_bound(pl, host, layers, stage_kib << 10) >= exact * (1 - 1e-9)
+
+
+@given(layout=st.sampled_from(["layer_first", "page_first", "page_head"]), ps=st.sampled_from([1, 4, 16]),
+       layers=st.sampled_from([1, 3, 32]), n_pages=st.integers(0, 120), seed=st.integers(0, 2**16),
+       run=st.sampled_from([1, 3, 50]), stage_kib=st.sampled_from([64, 1024, 1 << 17]),
+       ramp=st.sampled_from([0, 1 << 14, 4 << 20]), max_pitch=st.sampled_from([None, 4096]),
+       order=st.sampled_from(["chunks", "reversed", "whole first"]))
+def test_chunked_plan_is_the_plan_chunk_by_chunk(layout, ps, layers, n_pages, seed, run, stage_kib, ramp,
+                                                 max_pitch, order):
+    """Planned a chunk at a time (in any order), every chunk's calls and the whole-plan figures
+    are exactly the plan's."""
+    pl = LAYOUTS[layout].placement(MHA.components[0], 32, 4096, ps)
+    rng = np.random.default_rng(seed)
+    starts = rng.permutation(4096 // ps // run)[: max(1, n_pages // run)] * run
+    pages = (starts[:, None] + np.arange(run)).reshape(-1)[:n_pages]
+    host = (pages[:, None] * ps + np.arange(ps)).reshape(-1).astype(np.int64)
+    want = plan(pl, host, layers, stage_kib << 10, max_pitch, ramp=ramp)
+    got = ChunkedPlan(pl, host, layers, stage_kib << 10, max_pitch, ramp=ramp)
+    assert got.staging == want.staging and got.staging_bytes == want.staging_bytes
+    assert np.array_equal(got.bounds, want.bounds) and got.n_chunks == want.n_chunks
+    if order == "whole first":
+        assert (got.n_calls, got.n_flat, got.min_width) == (want.n_calls, want.n_flat, want.min_width)
+    chunks = range(want.n_chunks)
+    for i in reversed(chunks) if order == "reversed" else chunks:
+        (gt, gf), (wt, wf) = got.calls(i), want.calls(i)
+        assert np.array_equal(gt, wt) and np.array_equal(gf.reshape(-1, 3), wf.reshape(-1, 3))
+        assert got.chunk(i)[:2] == want.chunk(i)[:2] and np.array_equal(got.chunk(i)[2], want.chunk(i)[2])
+    assert got.mean_copy == want.mean_copy and got.n_calls == want.n_calls and got.n_flat == want.n_flat
 
 
 @pytest.mark.parametrize("bad", [{"load_group": -1}, {"load_group": True}, {"load_group": 1.5},

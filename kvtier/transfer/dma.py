@@ -34,8 +34,8 @@ import torch
 
 from .base import Backend, TransferPart
 from .cudart import has_batch, memcpy2d, memcpy_batch
-from .dma_plan import (RAMP_MIN_BYTES, DMAPlan, GroupedPlan, choose_group, dma_capable, grouped_plan,
-                       mean_copy_bound, plan, run_class)
+from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, choose_group, dma_capable,
+                       grouped_plan, mean_copy_bound, run_class)
 from .kernel import KernelBackend, PartTables, check_mapped, host_numpy, on_device
 from .timing import event_seconds
 from .triton_kernels import WordPlan, copy_items
@@ -144,7 +144,7 @@ class DMABackend(Backend):
         return self._rings[key]
 
     def plan_part(self, part: TransferPart, host_np: np.ndarray, to_host: bool,
-                  whole: bool = True) -> DMAPlan | GroupedPlan | None:
+                  whole: bool = True) -> ChunkedPlan | GroupedPlan | None:
         """The plan for one part, or None where the host slots do not suit DMA
         (the part then goes through the zero-copy kernel).
 
@@ -157,14 +157,14 @@ class DMABackend(Backend):
         if not dma_capable(part.host, host_np):
             return None
         layers = part.layer_num if to_host else (self.load_group(part, host_np) if whole else 1)
-        # The bound costs well under a millisecond; planning 32k scattered slots, several.
+        # The bound (run lengths only) decides, so nothing is planned yet: the plan is
+        # worked out a chunk at a time as the chunks are queued (ChunkedPlan). The bound
+        # leaves out the runs chunk edges split, a few per transfer.
         if mean_copy_bound(part.host, host_np, layers, self.config.staging_bytes) < self.config.kernel_below:
             return None
         if to_host:
-            p = plan(part.host, host_np, layers, self.config.staging_bytes, ramp=RAMP_MIN_BYTES)
-        else:
-            p = grouped_plan(part.host, host_np, layers, self.config.staging_bytes)
-        return None if p.mean_copy < self.config.kernel_below else p
+            return ChunkedPlan(part.host, host_np, layers, self.config.staging_bytes, ramp=RAMP_MIN_BYTES)
+        return grouped_plan(part.host, host_np, layers, self.config.staging_bytes, chunked=True)
 
     def load_group(self, part: TransferPart, host_np: np.ndarray) -> int:
         """Layers per copy for loading ``host_np``.
@@ -273,7 +273,7 @@ class DMABackend(Backend):
             self.last_blocks = used
         return run
 
-    def run_part(self, part: TransferPart, p: DMAPlan, d: torch.Tensor, layer: int | None, join: bool = True,
+    def run_part(self, part: TransferPart, p: DMAPlan | ChunkedPlan, d: torch.Tensor, layer: int | None, join: bool = True,
                  n_layers: int = 1) -> None:
         """Queue one part: all layers (``layer=None``) or layers ``layer .. layer+n_layers-1``.
 
@@ -299,16 +299,18 @@ class DMABackend(Backend):
                 d.record_stream(ring.side)
             wp = None  # the same for every staging buffer (all 256-byte aligned): worked out once
             for i in range(p.n_chunks):
-                j0, m, _ = p.chunk(i)
-                tall, flat = p.calls(i)
+                j0, m = int(p.bounds[i]), int(p.bounds[i + 1] - p.bounds[i])
                 slot = ring.take(p.staging_bytes)
                 wp = wp or WordPlan.for_copy(p.staging, slot.buf, part.device_layers)
                 if to_host:
+                    # The gather needs no copies: it runs while the host plans the chunk's.
                     self._gather(ring, slot, p, part, ptrs, d, j0, m, n_layers, wp)
+                    tall, flat = p.calls(i)
                     cur.wait_event(slot.ready)
                     _issue(tall, flat, host_base, slot.buf.data_ptr(), to_host, cur.cuda_stream, batch)
                     slot.free.record(cur)
                 else:
+                    tall, flat = p.calls(i)
                     ring.side.wait_event(slot.free)
                     _issue(tall, flat, host_base, slot.buf.data_ptr(), to_host, ring.side.cuda_stream, batch)
                     slot.ready.record(ring.side)
