@@ -110,8 +110,20 @@ def _run_template(host: Placement, stg: Placement, k: int, layers: int) -> np.nd
     return rows
 
 
+class _Chunks:
+    """What a plan's chunks share: ``bounds`` (item offsets) and the ``staging`` placement."""
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.staging.total_bytes
+
+
 @dataclass(frozen=True)
-class DMAPlan:
+class DMAPlan(_Chunks):
     """A part's transfer cut into staging chunks of at most ``slots`` items.
 
     Chunk ``i`` moves items ``bounds[i] .. bounds[i+1]`` (a backup's first
@@ -135,14 +147,6 @@ class DMAPlan:
     t_lo: np.ndarray
     flat: np.ndarray
     f_lo: np.ndarray
-
-    @property
-    def n_chunks(self) -> int:
-        return len(self.bounds) - 1
-
-    @property
-    def staging_bytes(self) -> int:
-        return self.staging.total_bytes
 
     @property
     def n_calls(self) -> int:
@@ -309,7 +313,7 @@ def _copies(pl: Placement, stg: Placement, host_idx: np.ndarray, bounds: np.ndar
     return copies[order], owner_all[order]
 
 
-class ChunkedPlan:
+class ChunkedPlan(_Chunks):
     """:func:`plan`'s answer worked out one chunk at a time, when the chunk is asked for.
 
     A transfer cannot start until its first chunk's copies are known, and
@@ -332,14 +336,6 @@ class ChunkedPlan:
         self.n_items = int(host_idx.size)
         self._calls: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._whole: DMAPlan | None = None
-
-    @property
-    def n_chunks(self) -> int:
-        return len(self.bounds) - 1
-
-    @property
-    def staging_bytes(self) -> int:
-        return self.staging.total_bytes
 
     def _chunk_calls(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if i not in self._calls:
