@@ -11,23 +11,31 @@ For MHA, MLA and DSA, layer_first and page_first, page 1 and 64, allocator
 slots, backup and per-layer load by DMA, this times:
 - ``full``: as the bench does (event before the call, after the last layer);
 - ``prepared``: the backend's ``prepare`` done before the start event, so only
-  the queued work is timed (index copies are queued in ``prepare`` and count
-  nowhere: a few microseconds);
+  ``run`` is timed (index copies are queued in ``prepare`` and count nowhere: a
+  few microseconds). Since chunk-at-a-time planning, ``run`` plans as it goes
+  and ``prepare`` only checks the mean-copy bound;
 - ``host_ms``: how long the call itself holds the host;
+- ``whole_plan``: ``full`` with every plan made whole before the first copy (as before
+  ``ChunkedPlan``), A/B in the same run;
+and with ``--variants``:
 - ``kernel_ratio``, ``auto_ratio``: the same transfer by the zero-copy kernel and by auto;
-- ``staging256``: ``full`` with 256 MiB staging buffers (MLA and DSA only).
-DSA layer_first page 1 also runs with scattered host slots.
+- ``staging256``: ``full`` with 256 MiB staging buffers (MLA and DSA only);
+- DSA layer_first page 1 also with scattered host slots.
 GB/s = payload / device time, median of 5 after a warm-up.
-Usage: python bench/probes/host_plan.py OUT.json [--tokens N]
+Usage: python bench/probes/host_plan.py OUT.json [--tokens N] [--variants]
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 
 import numpy as np
 import torch
 
+import kvtier.transfer.dma as dma_mod
+import kvtier.transfer.dma_plan as plan_mod
 from kvtier.bench.transfer import Case, Clock, contiguous_limit
 from kvtier.layouts import SUPPORTED
 from kvtier.transfer import TransferEngine
@@ -62,6 +70,17 @@ def prepared_seconds(eng, h, d, to_host) -> float:
     return float(np.median(ts[1:]))
 
 
+@contextlib.contextmanager
+def whole_plans():
+    """DMA plans made whole before the first copy, as before chunk-at-a-time planning."""
+    saved = dma_mod.ChunkedPlan, plan_mod.ChunkedPlan
+    dma_mod.ChunkedPlan = plan_mod.ChunkedPlan = plan_mod.plan
+    try:
+        yield
+    finally:
+        dma_mod.ChunkedPlan, plan_mod.ChunkedPlan = saved
+
+
 def host_ms(eng, h, d, to_host) -> float:
     ts = []
     for _ in range(REPS):
@@ -83,7 +102,8 @@ def main():
                 if limits is None:
                     limits = contiguous_limit(case.nbytes, clock, 5)
                     log("limit_gbps_mla_size", {k: round(v, 2) for k, v in limits.items()})
-                for scattered in (False, True) if (kind, layout, ps) == ("dsa", "layer_first", 1) else (False,):
+                for scattered in (False, True) if "--variants" in sys.argv and (kind, layout, ps) == (
+                        "dsa", "layer_first", 1) else (False,):
                     h, d = case.indices(scattered, rng)[:2]
                     eng = TransferEngine(case.host, "dma")
                     for to_host in (True, False):
@@ -98,14 +118,21 @@ def main():
                         row = {"full_gbps": full[0], "full_ratio": full[1],
                                "prepared_gbps": round(prep, 2), "prepared_ratio": round(prep / lim, 3),
                                "host_ms": host_ms(eng, h, d, to_host)}
-                        # The zero-copy kernel, alone and as auto runs it (auto's rows trailed the
-                        # kernel's in H200 run 17 where it had picked the kernel: DSA 0.67x vs 0.81x).
-                        row["kernel_ratio"] = ratio(TransferEngine(case.host, "kernel"))[1]
-                        row["auto_ratio"] = ratio(TransferEngine(case.host, "auto"))[1]
-                        if kind != "mha":
-                            big = TransferEngine(case.host, "dma")
-                            big.backend = DMABackend(DMAConfig(staging_bytes=256 * MiB))
-                            row["staging256_gbps"], row["staging256_ratio"] = ratio(big)
+                        if "--variants" in sys.argv:
+                            # The zero-copy kernel, alone and as auto runs it (auto's rows trailed
+                            # the kernel's in H200 run 17 where it had picked the kernel: DSA 0.67x
+                            # vs 0.81x), and 256 MiB staging.
+                            row["kernel_ratio"] = ratio(TransferEngine(case.host, "kernel"))[1]
+                            row["auto_ratio"] = ratio(TransferEngine(case.host, "auto"))[1]
+                            if kind != "mha":
+                                big = TransferEngine(case.host, "dma")
+                                big.backend = DMABackend(DMAConfig(staging_bytes=256 * MiB))
+                                row["staging256_gbps"], row["staging256_ratio"] = ratio(big)
+                        # Whole plans made before the first copy (as before ChunkedPlan), A/B.
+                        with whole_plans():
+                            whole = TransferEngine(case.host, "dma")
+                            whole.backend = DMABackend()
+                            row["whole_plan_gbps"], row["whole_plan_ratio"] = ratio(whole)
                         log(f"{kind}/{layout}/p{ps}/{'scattered' if scattered else 'allocator'}/{way}", row)
                 case.host.close()
                 del case, eng
