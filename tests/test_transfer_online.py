@@ -170,3 +170,13 @@ def test_bench_sample_note_names_the_shapes_a_row_added_to_with_counts_and_best_
     assert note == "backup dma:2@44.0 kernel:1@49.8; backup/duplex dma:1@30.0"  # the load shape did not change
     assert sample_note(backend, sample_counts(backend)) == ""
     assert sample_note(SimpleNamespace(), {}) == "" and sample_counts(object()) == {}
+
+
+def test_the_prior_tries_dma_unless_it_is_predicted_far_slower():
+    """H200 run 20: the prior put DMA at about 2.3x the kernel for MLA page-64 loads from
+    scattered host pages, which DMA then moved at 0.95x against the kernel's 0.85x."""
+    pytest.importorskip("triton")
+    from kvtier.transfer.auto import EXPLORE_WITHIN, rank
+    assert rank({"kernel": 0.84e-3, "dma": 1.94e-3}) == ["kernel", "dma"]
+    assert rank({"kernel": 1.0, "dma": 0.5}) == ["dma", "kernel"]
+    assert rank({"kernel": 1.0, "dma": 1.01 * EXPLORE_WITHIN}) == ["kernel"]

@@ -32,8 +32,13 @@ from .timing import event_seconds
 from .triton_kernels import copy_items, layer_ptr_table
 
 WIDTHS = (256, 1024, 4096, 1 << 20)
-# Candidates predicted more than this many times slower than the best are not tried.
-EXPLORE_WITHIN = 2.0
+# Candidates predicted more than this many times slower than the best are not tried. The
+# prior adds the cost per copy to the time on the wire, which overestimates DMA where
+# the copy engine overlaps them: at 2.0 it kept DMA from scattered page-64 loads that
+# ran at 0.92-0.95x by DMA and 0.81-0.85x by the kernel (H200 run 20). What it guards
+# against, copies so small that a transfer stalls, the DMA backend already sends to
+# the kernel (``DMAConfig.kernel_below``).
+EXPLORE_WITHIN = 4.0
 CAL_BYTES = 32 << 20
 PITCH_ROWS = 32
 
@@ -118,6 +123,13 @@ def _kernel_probe(host, dev, w, pitch, to_host, blocks):
     return lambda: copy_items(pl, host, (layer,), ptrs, idx, idx, 0, rows, 0, 1, to_host, blocks)
 
 
+def rank(predicted: dict[str, float], within: float = EXPLORE_WITHIN) -> list[str]:
+    """Candidates by predicted seconds, fastest first, leaving out any predicted more than
+    ``within`` times slower than the fastest (never worth a trial transfer)."""
+    fastest = min(predicted.values())
+    return sorted((c for c, t in predicted.items() if t <= within * fastest), key=predicted.get)
+
+
 class AutoBackend(Backend):
     name = "auto"
 
@@ -158,14 +170,10 @@ class AutoBackend(Backend):
         """Candidates worth trying, best predicted first."""
         if all(p is None for p in dma_plans):
             return ["kernel"]
-        predicted = {
+        return rank({
             "kernel": self.predicted_seconds(parts, [None] * len(parts), n_slots, to_host),
             "dma": self.predicted_seconds(parts, dma_plans, n_slots, to_host),
-        }
-        # Never try a candidate the prior expects to be far slower: one such
-        # transfer (thousands of tiny copies) can stall for a second.
-        fastest = min(predicted.values())
-        return sorted((c for c, t in predicted.items() if t <= EXPLORE_WITHIN * fastest), key=predicted.get)
+        })
 
     def backup(self, parts, host_idx, dev_idx, block_quota=None):
         self.prepare(parts, host_idx, dev_idx, True, block_quota)(None)
