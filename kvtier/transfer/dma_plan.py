@@ -316,13 +316,14 @@ def _copies(pl: Placement, stg: Placement, host_idx: np.ndarray, bounds: np.ndar
 class ChunkedPlan(_Chunks):
     """:func:`plan`'s answer worked out one chunk at a time, when the chunk is asked for.
 
-    A transfer cannot start until its first chunk's copies are known, and
-    planning all of a transfer took an H200's host 0.7-1.9 ms (32k slots),
-    1.5-3.4 ms with the engine's own work, while the copy engine sat idle:
-    2-5% of an MLA transfer (``bench/results/probe_host_plan_h200.json``:
-    0.98-0.998x with planning outside the timed span, 0.91-0.97x inside).
-    Planned a chunk at a time, the first (small, with ``ramp``) chunk's copies
-    are queued after a fraction of that, and each later chunk is planned
+    A transfer cannot start until its first chunk's copies are known, and the
+    copy engine sits idle while the host plans: planning 32k scattered host
+    slots takes 5-15 ms. Planned a chunk at a time (H200 run 20, against run
+    17), DMA moved page-major scattered page-1 slots at 0.74-0.92x instead of
+    0.59-0.71x; on allocator slots (about 1 ms of planning) the A/B in one run
+    gave backups -0.4 to +1.3 ms (``bench/results/probe_host_plan_h200.json``).
+    The first (small, with ``ramp``) chunk's copies are queued after a
+    fraction of the planning, and each later chunk is planned
     while the engine copies the ones before it. Chunk ``i``'s calls are
     exactly :meth:`DMAPlan.calls` of the whole plan (property-tested); the
     whole-plan figures (``n_calls``, ``mean_copy``, ...) plan every chunk.
