@@ -1,0 +1,173 @@
+"""Probe: when the host reaches each step of a DMA transfer, and when the device starts it.
+
+Run 20 (``probe_host_plan_h200.json``): a DMA transfer timed from before the
+engine call runs 1-2 ms longer than the same transfer timed from its ``run``,
+and planning is no longer in that gap. This finds the rest. Each step of the
+engine call (``_cuda``, the index check, ``prepare``, the mean-copy bound, the
+index copy, each part's chunk loop) is wrapped here, for this probe only, so
+that on entry and exit it notes the host clock and records an event on an
+idle "marker" stream: such an event fires as soon as the host has queued it,
+so its device time says when the host got there. The first gather or copy of
+each part is bracketed by events on its own stream, which fire when the
+device actually runs it. All times are milliseconds after a start event
+recorded just before the call, as the bench records it.
+
+Cases: MLA layer_first page 1 backup and per-layer load, MHA layer_first page
+1 backup, and a backup and a load queued back to back (the bench's "both"
+row), allocator slots, 32,768 tokens; three calls of each after two warm-ups,
+the last logged in full and the first-copy start of each.
+Usage: python bench/probes/host_timeline.py OUT.json [--tokens N]
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+import kvtier.host_pool as host_pool_mod
+import kvtier.transfer.dma as dma_mod
+import kvtier.transfer.engine as engine_mod
+from kvtier.bench.transfer import Case
+from kvtier.transfer import TransferEngine
+from probelib import JsonLog, args
+
+PATH, TOKENS = args("/tmp/probe_host_timeline.json")
+log = JsonLog(PATH, tokens=TOKENS)
+
+
+class Timeline:
+    """Marks (label, host ms, event on the marker stream or on a working stream)."""
+
+    def __init__(self):
+        self.marker = torch.cuda.Stream()
+        self.marks: list[tuple[str, float, torch.cuda.Event]] = []
+        self.start_host = 0.0
+        self.start: torch.cuda.Event | None = None
+        self.on = False
+        self.gen = 0  # one per begin(): "first" calls are first within a traced call
+
+    def begin(self):
+        self.gen += 1
+        self.marks.clear()
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.start.record()
+        self.start_host = time.perf_counter()
+        self.on = True
+
+    def mark(self, label: str, stream=None):
+        if not self.on:
+            return
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream or self.marker)
+        self.marks.append((label, 1e3 * (time.perf_counter() - self.start_host), e))
+
+    def end(self) -> list[dict]:
+        self.on = False
+        torch.cuda.synchronize()
+        return [{"step": label, "host_ms": round(h, 3), "device_ms": round(self.start.elapsed_time(e), 3)}
+                for label, h, e in self.marks]
+
+
+T: Timeline  # made in main(): it needs CUDA
+
+
+def traced(owner, name: str, label: str):
+    """Wrap ``owner.name`` so each call marks its entry and exit."""
+    real = getattr(owner, name)
+
+    def wrapper(*a, **k):
+        T.mark(f"{label} >")
+        try:
+            return real(*a, **k)
+        finally:
+            T.mark(f"{label} <")
+    setattr(owner, name, wrapper)
+
+
+def first_on_stream(owner, name: str, label_of, stream_of):
+    """Bracket the first call of ``owner.name`` per traced call and label (``label_of(args)``:
+    which direction) by events on the stream it runs on: they fire when the device runs it."""
+    real = getattr(owner, name)
+    seen = set()
+
+    def wrapper(*a, **k):
+        label = label_of(*a, **k)
+        first = T.on and (label, T.gen) not in seen
+        if first:
+            seen.add((label, T.gen))
+            s = stream_of(*a, **k)
+            T.mark(f"{label}: device starts", s)
+        out = real(*a, **k)
+        if first:
+            T.mark(f"{label}: device done", s)
+        return out
+    setattr(owner, name, wrapper)
+
+
+def install():
+    traced(engine_mod.TransferEngine, "_cuda", "engine call")
+    traced(host_pool_mod.HostKVCache, "_check_indices", "index check")
+    traced(dma_mod.DMABackend, "prepare", "prepare")
+    traced(dma_mod.DMABackend, "plan_part", "plan_part (bound)")
+    traced(dma_mod, "on_device", "index to device")
+    traced(dma_mod.DMABackend, "_backup_chunks", "backup chunk loop")
+    traced(dma_mod.DMABackend, "_load_chunks", "load chunk loop")
+    # The first gather or scatter (on the current stream; ``to_buf`` is argument 10) and the
+    # first batch of copies each way (its stream is argument 5, ``to_host`` argument 4).
+    first_on_stream(dma_mod, "copy_items", lambda *a, **k: "first gather" if a[10] else "first scatter",
+                    lambda *a, **k: torch.cuda.current_stream())
+    first_on_stream(dma_mod, "_issue", lambda *a, **k: "first copies " + ("D2H" if a[4] else "H2D"),
+                    lambda *a, **k: torch.cuda.ExternalStream(a[5]))
+
+
+def run_case(name, case, h1, d1, h2, d2, what):
+    eng = TransferEngine(case.host, "dma")
+
+    def go():
+        if what == "backup":
+            eng.backup(h1, d1).wait()
+        elif what == "load":
+            ld = eng.load(h1, d1)
+            ld.wait_layer(ld.layer_num - 1)
+        else:
+            hd = eng.backup(h1, d1)
+            ld = eng.load(h2, d2)
+            hd.wait()
+            ld.wait_layer(ld.layer_num - 1)
+    for _ in range(2):
+        go()
+        torch.cuda.synchronize()
+    summary = []
+    for rep in range(3):
+        torch.cuda.synchronize()
+        T.begin()
+        go()
+        T.mark("end of the caller's queue", torch.cuda.current_stream())
+        marks = T.end()
+        total = marks[-1]["device_ms"]
+        starts = [m for m in marks if m["step"].endswith("device starts")]
+        summary.append({"total_ms": total, "first_device_work_ms": starts[0]["device_ms"] if starts else None,
+                        "gbps": round((2 if what == "both" else 1) * case.nbytes / total / 1e6, 2)})
+    log(f"{name}/{what}", {"summary": summary, "last": marks})
+
+
+def main():
+    global T
+    T = Timeline()
+    install()
+    rng = np.random.default_rng(0)
+    for kind, layout, whats in (("mla", "layer_first", ("backup", "load", "both")),
+                                ("mha", "layer_first", ("backup", "both"))):
+        case = Case(kind, layout, 1, TOKENS, "cuda", None)
+        idx = case.indices(False, rng)
+        for what in whats:
+            run_case(f"{kind}/{layout}/p1/allocator", case, *idx, what)
+        case.host.close()
+        del case
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
