@@ -46,9 +46,20 @@ def whole_pages(host_idx: np.ndarray, page_size: int) -> bool:
     return bool((pages[:, 0] % page_size == 0).all() and (np.diff(pages, axis=1) == 1).all())
 
 
+def run_starts(host_idx: np.ndarray, cuts: np.ndarray | None = None) -> np.ndarray:
+    """Where each run of consecutive slots starts (positions in ``host_idx``); a position in
+    ``cuts`` (chunk edges) starts a new run too."""
+    brk = np.ones(host_idx.size, dtype=bool)
+    if host_idx.size:
+        brk[1:] = np.diff(host_idx) != 1
+        if cuts is not None:
+            brk[cuts] = True
+    return np.flatnonzero(brk)
+
+
 def run_class(host_idx: np.ndarray) -> int:
     """log2 of the mean length of the runs of consecutive slots: what decides how copies split."""
-    runs = 1 + int(np.count_nonzero(np.diff(host_idx) != 1)) if host_idx.size else 1
+    runs = max(1, run_starts(host_idx).size)
     return int(math.log2(max(host_idx.size / runs, 1)))
 
 
@@ -239,7 +250,7 @@ def mean_copy_bound(pl: Placement, host_idx: np.ndarray, layers: int, staging_by
         return 0.0
     max_pitch = max_pitch or MAX_PITCH
     stg = compact(pl, _staging_slots(pl, n, layers, staging_bytes), layers)
-    starts = np.flatnonzero(np.concatenate(([True], np.diff(host_idx) != 1)))
+    starts = run_starts(host_idx)
     lengths, counts = np.unique(np.diff(np.append(starts, n)), return_counts=True)
     copies = 0
     for k, c in zip(lengths.tolist(), counts.tolist()):
@@ -266,7 +277,7 @@ def plan(pl: Placement, host_idx: np.ndarray, layers: int, staging_bytes: int,
     n_chunks = len(bounds) - 1
     chunks = np.arange(n_chunks + 1)
     is_tall = tall_rows(copies, max_pitch)
-    tall, (h_off, s_off, width) = split_copies(copies, max_pitch)
+    tall, (h_off, s_off, width) = split_copies(copies, max_pitch, is_tall)
     flat_owner = np.repeat(owner_all[~is_tall], copies[~is_tall, 3])
     return DMAPlan(stg, slots, int(host_idx.size), bounds, copies, np.searchsorted(owner_all, chunks), tall,
                    np.searchsorted(owner_all[is_tall], chunks), np.stack([h_off, s_off, width], axis=1),
@@ -288,11 +299,7 @@ def _copies(pl: Placement, stg: Placement, host_idx: np.ndarray, bounds: np.ndar
     starts on the host and in its chunk's staging buffer.
     """
     n = int(host_idx.size)
-    brk = np.ones(n, dtype=bool)
-    if n:
-        brk[1:] = np.diff(host_idx) != 1
-        brk[bounds[1:-1]] = True
-    starts = np.flatnonzero(brk)
+    starts = run_starts(host_idx, bounds[1:-1])
     lengths = np.diff(np.append(starts, n))
     chunk_of = np.searchsorted(bounds, starts, side="right") - 1
     out, owner = [], []
@@ -479,14 +486,15 @@ def tall_rows(copies: np.ndarray, max_pitch: int) -> np.ndarray:
     return (copies[:, 3] > 1) & (np.maximum(copies[:, 4], copies[:, 5]) <= max_pitch)
 
 
-def split_copies(copies: np.ndarray, max_pitch: int):
+def split_copies(copies: np.ndarray, max_pitch: int, tall: np.ndarray | None = None):
     """Split a chunk's copies into pitched rows for one 2-D call each and a flat list of 1-D copies.
 
     Returns ``(tall, (host_off, stg_off, width))``: ``tall`` holds the rows
     of height > 1 whose pitches a 2-D call accepts (``<= max_pitch``); every
     other row becomes ``height`` 1-D copies, so they can go in one batch.
+    ``tall``: :func:`tall_rows` of these copies, when the caller has it.
     """
-    tall = tall_rows(copies, max_pitch)
+    tall = tall_rows(copies, max_pitch) if tall is None else tall
     flat = copies[~tall]
     heights = flat[:, 3]
     row = np.arange(int(heights.sum()), dtype=np.int64) - np.repeat(np.cumsum(heights) - heights, heights)
