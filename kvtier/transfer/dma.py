@@ -65,7 +65,8 @@ class DMAConfig:
     at least this many 1-D copies queues them in one batched call.
     ``kernel_below``: a part whose copies would average fewer bytes than
     this goes through the zero-copy kernel instead (a pitched copy counts
-    once: its rows, when close, move at full speed). On an H200 batched 16
+    once: its rows, when close, move at full speed; the average is bounded
+    from the runs of consecutive host slots, so nothing is planned first). On an H200 batched 16
     KiB copies moved 8.8 GB/s host to device and 21 device to host, 2 KiB
     copies 2.6 and 5.4, 128 KiB copies 46-49; the kernel moved any row of
     256 B or more at 36-50 (``bench/results/probe_copy_paths_h200.json``).
