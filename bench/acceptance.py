@@ -1,10 +1,11 @@
 """Issue 3's acceptance, read from `kvtier bench transfer --json` rows.
 
-Usage: python bench/acceptance.py [--readme] bench/results/transfer_h200.json [more.json ...]
+Usage: python bench/acceptance.py [--readme] [--plot PNG] bench/results/transfer_h200.json [more.json ...]
 Later files replace earlier ones' rows of the same (kind, layout, page, direction, slots, backend).
 Prints, for every acceptance row, the best backend, its ratio and the target, and
 whether auto is within 5% of the best, as a markdown table; with --readme, the README's
-table instead (host slots as the allocator hands them out).
+table instead (host slots as the allocator hands them out); with --plot, also a figure
+of every row (kvtier.bench.transfer_plot).
 """
 
 from __future__ import annotations
@@ -39,11 +40,20 @@ def readme_table(cells) -> str:
 
 def main(paths):
     readme = "--readme" in paths
+    plot_path = None
+    if "--plot" in paths:
+        i = paths.index("--plot")
+        plot_path = paths[i + 1]
+        paths = paths[:i] + paths[i + 2:]
     paths = [p for p in paths if p != "--readme"]
     rows = {}
     for p in paths:
         for r in json.load(open(p)):
             rows[(r["kind"], r["layout"], r["page_size"], r["direction"], r["host_slots"], r["backend"])] = r
+    if plot_path:
+        from kvtier.bench.transfer_plot import plot_transfer
+        n = plot_transfer(list(rows.values()), plot_path, "kvtier bench transfer: " + ", ".join(paths))
+        print(f"wrote {n} bars to {plot_path}", file=sys.stderr)
     cells = {}
     for (k, lay, ps, d, s, b), r in rows.items():
         if k != "all":

@@ -16,7 +16,7 @@ echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
 [ "${BENCH_S:-420}" -gt 0 ] && {
 timeout "${BENCH_S:-420}" python -m kvtier.cli bench transfer --tokens "${TOKENS:-32768}" --reps 3 \
   --page-size 1 --page-size 64 ${KINDS:-} --backend kernel --backend dma --backend auto --verbose \
-  --json "$OUT/transfer_h200.json" > "$OUT/transfer.log" 2> "$OUT/transfer.err"
+  --json "$OUT/transfer_h200.json" --plot "$OUT/transfer_h200.png" > "$OUT/transfer.log" 2> "$OUT/transfer.err"
 echo "bench transfer rc=$?"; grep -v '%|' "$OUT/transfer.err" | tail -3; }
 
 [ "${TTFT_S:-90}" -gt 0 ] && {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -56,8 +57,9 @@ def test_engine_rejects_bad_quota_and_gpu_backends_on_cpu():
 
 def test_bench_transfer_quick_writes_rows(tmp_path):
     out = tmp_path / "rows.json"
+    png = tmp_path / "rows.png"
     res = CliRunner().invoke(main, ["bench", "transfer", "--quick", "--kind", "mla", "--page-size", "16",
-                                    "--json", str(out)])
+                                    "--json", str(out), "--plot", str(png)])
     assert res.exit_code == 0, res.output
     rows = json.loads(out.read_text())
     limits = [r for r in rows if r["backend"] == "contiguous"]
@@ -66,3 +68,15 @@ def test_bench_transfer_quick_writes_rows(tmp_path):
     assert all(set(r) == FIELDS and r["gbps"] > 0 and r["limit_gbps"] > 0 for r in rows)
     assert np.allclose([r["ratio"] for r in rows], [r["gbps"] / r["limit_gbps"] for r in rows], rtol=0.01, atol=1e-3)
     assert "ratio to the contiguous limit" in res.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote the figure to {png}" in res.output
+
+
+def test_transfer_plot_draws_a_bar_per_row_and_refuses_an_empty_run(tmp_path):
+    from kvtier.bench.transfer_plot import plot_transfer
+    rows = json.loads((Path(__file__).parent.parent / "bench/results/transfer_h200.json").read_text())
+    measured = [r for r in rows if r["kind"] != "all"]
+    assert plot_transfer(rows, str(tmp_path / "h200.png"), "H200") == len(measured) > 100
+    assert (tmp_path / "h200.png").stat().st_size > 20_000
+    with pytest.raises(ValueError, match="no transfer rows"):
+        plot_transfer([r for r in rows if r["kind"] == "all"], str(tmp_path / "none.png"), "limits only")
+    assert not (tmp_path / "none.png").exists()

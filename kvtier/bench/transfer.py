@@ -324,7 +324,9 @@ def table(rows: list[Row]) -> str:
 @click.option("--quick", is_flag=True, help="tiny shapes (4 layers, 256 tokens): a smoke test for CI")
 @click.option("--verbose", is_flag=True, help="print every row as it is measured")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the rows as JSON here")
-def transfer(tokens, reps, backends, kinds, page_sizes, quick, verbose, json_path):
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="draw every row's ratio against the targets here (PNG)")
+def transfer(tokens, reps, backends, kinds, page_sizes, quick, verbose, json_path, plot_path):
     """Transfer bandwidth of every backend, kind, layout and page size, as a ratio to the limit."""
     for k in kinds:
         if k not in SHAPES:
@@ -365,3 +367,7 @@ def transfer(tokens, reps, backends, kinds, page_sizes, quick, verbose, json_pat
     click.echo(table(rows))
     if json_path:
         click.echo(f"wrote {len(rows)} rows to {json_path}")
+    if plot_path:
+        from .transfer_plot import plot_transfer
+        plot_transfer(rows, plot_path, f"kvtier bench transfer: {dev}, {tokens} tokens per transfer")
+        click.echo(f"wrote the figure to {plot_path}")

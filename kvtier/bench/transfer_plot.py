@@ -1,0 +1,74 @@
+"""A figure of ``kvtier bench transfer`` rows: every backend's ratio to the limit, against the targets.
+
+Columns are the host slots (as the allocator hands them out, scattered); rows
+of panels are one-way transfers (backup, per-layer load) and both at once.
+Each bar is one backend's GB/s over the run's contiguous limit; dashed lines
+mark issue 3's targets (0.9x and 0.95x one way, 1.5x both at once), solid
+lines the limit itself and dotted the contiguous copies both ways at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, is_dataclass
+
+COLORS = {"kernel": "#4c72b0", "dma": "#dd8452", "auto": "#55a868", "direct": "#8172b2"}
+ONE_WAY = ("backup", "load")
+
+
+def _plain(rows) -> list[dict]:
+    return [asdict(r) if is_dataclass(r) else dict(r) for r in rows]
+
+
+def plot_transfer(rows, path: str, title: str) -> int:
+    """Write the figure of ``rows`` (``Row`` or their JSON dicts) to ``path`` (PNG);
+    returns how many bars it drew. Rows of the contiguous limit itself are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _plain(rows)
+    duplex = [r["ratio"] for r in rows if r["kind"] == "all" and r["direction"] == "both"]
+    rows = [r for r in rows if r["kind"] != "all"]
+    if not rows:
+        raise ValueError("no transfer rows to plot (only the contiguous limit, or nothing)")
+    slots = [s for s in ("allocator", "scattered") if any(r["host_slots"] == s for r in rows)]
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    groups = (("one way", ONE_WAY), ("both at once", ("both",)))
+    labels = {name: list(dict.fromkeys((r["kind"], r["layout"], r["page_size"], r["direction"])
+                                       for r in rows if r["direction"] in dirs))
+              for name, dirs in groups}
+    heights = [max(1, len(labels[name])) for name, _ in groups]
+    fig, axes = plt.subplots(2, len(slots), figsize=(6.5 * len(slots), 0.19 * sum(heights) + 2.5),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    bar = 0.8 / len(backends)
+    drawn = 0
+    for col, slot in enumerate(slots):
+        for row, (name, dirs) in enumerate(groups):
+            ax = axes[row][col]
+            keys = labels[name]
+            by = {(r["kind"], r["layout"], r["page_size"], r["direction"], r["backend"]): r["ratio"]
+                  for r in rows if r["host_slots"] == slot and r["direction"] in dirs}
+            for b, backend in enumerate(backends):
+                ys = [i + (b - (len(backends) - 1) / 2) * bar for i, k in enumerate(keys) if k + (backend,) in by]
+                xs = [by[k + (backend,)] for k in keys if k + (backend,) in by]
+                ax.barh(ys, xs, height=bar, color=COLORS.get(backend), label=backend)
+                drawn += len(xs)
+            targets = (0.9, 0.95, 1.0) if name == "one way" else (1.0, 1.5)
+            for t in targets:
+                ax.axvline(t, color="black" if t == 1.0 else "red", lw=0.8, ls="-" if t == 1.0 else "--")
+            if name != "one way" and duplex:  # what the link gives both ways at once
+                ax.axvline(duplex[0], color="black", lw=0.8, ls=":")
+            ax.set_yticks(range(len(keys)))
+            ax.set_yticklabels([f"{k.upper()} {lay} p{ps} {d}" for k, lay, ps, d in keys], fontsize=7)
+            ax.invert_yaxis()
+            ax.set_xlim(*((0.5, 1.05) if name == "one way" else (0.5, 1.95)))
+            ax.set_title(f"{name}, host slots {slot}", fontsize=9)
+            ax.set_xlabel("ratio to the contiguous limit", fontsize=8)
+            ax.grid(axis="x", alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
