@@ -186,7 +186,8 @@ class AutoBackend(Backend):
         """Choose kernel or DMA for this transfer from measured times; returns ``run(layer)``.
 
         The transfer is timed with device events from this call (so the
-        host's planning counts where the stream sat idle waiting for it) to
+        host's planning counts where the stream sat idle waiting for it; the
+        one-off ranking of a new shape, with its DMA trial loads, does not) to
         the last ``run`` call's end; that time, over the bytes moved, becomes
         one sample for this transfer's shape. Planning 32k scattered slots
         for DMA takes the host 3-15 ms per part, which a sample timed from
@@ -206,19 +207,21 @@ class AutoBackend(Backend):
         # zero-copy kernel either way held both together to ~60 GB/s; copies ~90-100).
         self.timings.harvest(self.chooser)
         key = base + (DUPLEX,) if self.timings.sharing(to_host) else base
-        # DMA plans are built only when needed (tens of ms for 32k scattered slots).
-        dma_plans = None
-
-        def planned():
-            return dma_plans or [self.dma.plan_part(p, host_np, to_host, whole) for p in parts]
         candidates = self._candidates.get(base)
         if candidates is None:  # first transfer of this shape: rank by the prior
-            dma_plans = planned()
-            candidates = self._candidates[base] = self.ranked(parts, dma_plans, host_np.size, to_host)
+            ranking = [self.dma.plan_part(p, host_np, to_host, whole) for p in parts]
+            candidates = self._candidates[base] = self.ranked(parts, ranking, host_np.size, to_host)
+            # Ranking plans every chunk up front (5-15 ms for 32k scattered slots), once per
+            # shape: the sample starts after it, and the transfer plans afresh, as later ones
+            # do, or the first candidate tried would carry that one-off cost in its sample.
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(device))
         self._dma_able[to_host] = "dma" in candidates
         choice = self.chooser.pick(key, candidates, not self._dma_able.get(not to_host, True))
         self.picks[("backup" if to_host else "load", choice)] += 1
-        plans = planned() if choice == "dma" else [None] * len(parts)
+        # DMA plans are made only for DMA (chunk by chunk as the chunks are queued).
+        plans = ([self.dma.plan_part(p, host_np, to_host, whole) for p in parts] if choice == "dma"
+                 else [None] * len(parts))
         self.last_choice = ["kernel" if p is None else "dma" for p in plans]
         inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota)
         state = {"bytes": 0}
