@@ -216,6 +216,18 @@ def test_chunked_plan_is_the_plan_chunk_by_chunk(layout, ps, layers, n_pages, se
     assert got.mean_copy == want.mean_copy and got.n_calls == want.n_calls and got.n_flat == want.n_flat
 
 
+def test_chunked_plan_keeps_its_own_copy_of_the_slots():
+    """Chunks are planned when queued: a caller reusing its index array meanwhile changes nothing."""
+    pl = LAYOUTS["layer_first"].placement(MHA.components[0], 32, 4096, 1)
+    host = np.arange(2000, dtype=np.int64)
+    want = plan(pl, host, 4, 64 << 10)
+    got = ChunkedPlan(pl, host, 4, 64 << 10)
+    host[:] = np.random.default_rng(0).permutation(4096)[:2000]
+    assert want.n_chunks > 2
+    for i in range(want.n_chunks):
+        assert np.array_equal(got.calls(i)[1], want.calls(i)[1]) and np.array_equal(got.calls(i)[0], want.calls(i)[0])
+
+
 @pytest.mark.parametrize("bad", [{"load_group": -1}, {"load_group": True}, {"load_group": 1.5},
                                  {"group_target": 0.0}, {"group_target": 1.5}, {"batch_min": 0},
                                  {"kernel_below": -1}, {"kernel_below": 1.5},

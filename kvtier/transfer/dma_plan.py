@@ -338,7 +338,8 @@ class ChunkedPlan(_Chunks):
 
     def __init__(self, pl: Placement, host_idx: np.ndarray, layers: int, staging_bytes: int,
                  max_pitch: int | None = None, ramp: int = 0):
-        self._pl, self._idx, self._layers = pl, host_idx, layers
+        # A copy: chunks are planned later, and the caller's index array may change by then.
+        self._pl, self._idx, self._layers = pl, np.array(host_idx, dtype=np.int64), layers
         self._max_pitch = max_pitch or MAX_PITCH
         self.staging, self.slots, self.bounds = _layout(pl, host_idx, layers, staging_bytes, ramp)
         self.n_items = int(host_idx.size)
