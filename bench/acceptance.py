@@ -43,6 +43,8 @@ def main(paths):
     plot_path = None
     if "--plot" in paths:
         i = paths.index("--plot")
+        if i + 1 >= len(paths) or not paths[i + 1].endswith(".png"):
+            sys.exit("--plot needs the PNG file to write next, e.g. --plot transfer.png")
         plot_path = paths[i + 1]
         paths = paths[:i] + paths[i + 2:]
     paths = [p for p in paths if p != "--readme"]
