@@ -277,11 +277,10 @@ def plan(pl: Placement, host_idx: np.ndarray, layers: int, staging_bytes: int,
     n_chunks = len(bounds) - 1
     chunks = np.arange(n_chunks + 1)
     is_tall = tall_rows(copies, max_pitch)
-    tall, (h_off, s_off, width) = split_copies(copies, max_pitch, is_tall)
+    tall, flat = split_copies(copies, max_pitch, is_tall)
     flat_owner = np.repeat(owner_all[~is_tall], copies[~is_tall, 3])
     return DMAPlan(stg, slots, int(host_idx.size), bounds, copies, np.searchsorted(owner_all, chunks), tall,
-                   np.searchsorted(owner_all[is_tall], chunks), np.stack([h_off, s_off, width], axis=1),
-                   np.searchsorted(flat_owner, chunks))
+                   np.searchsorted(owner_all[is_tall], chunks), flat, np.searchsorted(flat_owner, chunks))
 
 
 def _layout(pl: Placement, host_idx: np.ndarray, layers: int, staging_bytes: int, ramp: int):
@@ -350,8 +349,7 @@ class ChunkedPlan(_Chunks):
         if i not in self._calls:
             j0, j1 = int(self.bounds[i]), int(self.bounds[i + 1])
             copies, _ = _copies(self._pl, self.staging, self._idx[j0:j1], np.array([0, j1 - j0]), self._layers)
-            tall, (h_off, s_off, width) = split_copies(copies, self._max_pitch)
-            self._calls[i] = (copies, tall, np.stack([h_off, s_off, width], axis=1))
+            self._calls[i] = (copies, *split_copies(copies, self._max_pitch))
         return self._calls[i]
 
     def chunk(self, i: int) -> tuple[int, int, np.ndarray]:
@@ -490,9 +488,10 @@ def tall_rows(copies: np.ndarray, max_pitch: int) -> np.ndarray:
 def split_copies(copies: np.ndarray, max_pitch: int, tall: np.ndarray | None = None):
     """Split a chunk's copies into pitched rows for one 2-D call each and a flat list of 1-D copies.
 
-    Returns ``(tall, (host_off, stg_off, width))``: ``tall`` holds the rows
-    of height > 1 whose pitches a 2-D call accepts (``<= max_pitch``); every
-    other row becomes ``height`` 1-D copies, so they can go in one batch.
+    Returns ``(tall, flat)``: ``tall`` holds the rows of height > 1 whose
+    pitches a 2-D call accepts (``<= max_pitch``); every other row becomes
+    ``height`` 1-D copies, the rows ``(host_off, stg_off, width)`` of ``flat``,
+    so they can go in one batch.
     ``tall``: :func:`tall_rows` of these copies, when the caller has it.
     """
     tall = tall_rows(copies, max_pitch) if tall is None else tall
@@ -501,4 +500,4 @@ def split_copies(copies: np.ndarray, max_pitch: int, tall: np.ndarray | None = N
     row = np.arange(int(heights.sum()), dtype=np.int64) - np.repeat(np.cumsum(heights) - heights, heights)
     h_off = np.repeat(flat[:, 0], heights) + row * np.repeat(flat[:, 4], heights)
     s_off = np.repeat(flat[:, 1], heights) + row * np.repeat(flat[:, 5], heights)
-    return copies[tall], (h_off, s_off, np.repeat(flat[:, 2], heights))
+    return copies[tall], np.stack([h_off, s_off, np.repeat(flat[:, 2], heights)], axis=1)
