@@ -193,7 +193,7 @@ class HostKVCache:
 
     def _check_indices(self, host_indices, device_indices, device_pool, want_numpy: bool = False):
         """``(h, d, h_np, d_np)``: both as int64 tensors, checked when ``validate_indices``,
-        and their host copies where the check read them (or ``want_numpy``), else None.
+        and their host copies when the check reads them or ``want_numpy`` (else None).
         CUDA indices are read back once here, not again by whoever plans the transfer."""
         h = _as_index_tensor(host_indices, "host_indices")
         d = _as_index_tensor(device_indices, "device_indices")
@@ -201,10 +201,10 @@ class HostKVCache:
             raise ValueError(
                 f"host_indices has {h.numel()} slots but device_indices has {d.numel()}; they must pair up"
             )
-        if not (self.validate_indices or want_numpy) or h.numel() == 0:
+        if not (self.validate_indices or want_numpy):
             return h, d, None, None
         hc, dc = _numpy(h), _numpy(d)
-        if not self.validate_indices:
+        if not self.validate_indices or h.numel() == 0:
             return h, d, hc, dc
         _check_range(hc, self.size, "host_indices", "host pool")
         _check_range(dc, device_pool.size, "device_indices", "device pool")

@@ -188,8 +188,6 @@ class TransferEngine:
     def _cuda(self, host_indices, device_indices, to_host: bool, nbytes: int):
         h, d, h_np, d_np = self.host_pool._check_indices(host_indices, device_indices, self.device_pool,
                                                          want_numpy=True)
-        if h_np is None:  # no slots
-            h_np, d_np = np.zeros(0, np.int64), np.zeros(0, np.int64)
         parts = self.host_pool.transfer_parts()
         stream = self.backup_stream if to_host else self.load_stream
         producer = torch.cuda.current_stream(self.device)
