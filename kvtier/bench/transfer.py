@@ -283,9 +283,10 @@ def sample_note(backend, before: dict) -> str:
     chooser = getattr(backend, "chooser", None)
     if chooser is None:
         return ""
+    now = sample_counts(backend)
     out = []
     for key, by in list(chooser.samples.items()):
-        if {c: len(v) for c, v in by.items()} == before.get(key):
+        if now.get(key) == before.get(key):
             continue
         head = ("backup" if key[0] else "load") + ("/duplex" if key[-1] == DUPLEX else "")
         out.append(head + " " + " ".join(f"{c}:{len(v)}@{max(v):.1f}" for c, v in sorted(by.items()) if v))
