@@ -55,6 +55,44 @@ def test_engine_rejects_bad_quota_and_gpu_backends_on_cpu():
         TransferEngine(host, "dma")
 
 
+def test_engine_rejects_a_background_flag_that_is_not_a_bool():
+    spec = KVSpec("mla", 2, torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8)
+    host = host_pool_for(pool_from_spec(spec, 32, 1, "cpu"), "layer_first", host_size_tokens=32)
+    with pytest.raises(ValueError, match="background_backups must be True or False, got 'yes'"):
+        TransferEngine(host, background_backups="yes")
+
+
+def test_a_handle_whose_background_queueing_failed_raises_it_but_still_orders_others():
+    """A backup queued by the engine's thread: the handle is not done until the copies are
+    queued; an error there reaches whoever asks (done, wait, synchronize), while the
+    engine's own ordering of later transfers waits without raising it."""
+    from concurrent.futures import Future
+
+    from kvtier.transfer.engine import TransferHandle
+    queued = Future()
+    h = TransferHandle(64, None, queued=queued)
+    assert not h.done() and not h._finished()
+    queued.set_exception(MemoryError("staging"))
+    assert h._finished()
+    for ask in (h.done, h.synchronize, h.wait):
+        with pytest.raises(MemoryError, match="staging"):
+            ask()
+    h.wait(raise_error=False)  # what the engine does for a transfer ordered after this one
+    ok = Future()
+    ok.set_result(None)
+    assert TransferHandle(64, None, queued=ok).done()
+
+
+def test_in_flight_overlap_checks_ranges_before_members():
+    from kvtier.transfer.engine import _InFlight
+    f = _InFlight(None, np.array([10, 12, 14]), np.array([100, 101]), True)
+    assert not f.overlaps(np.array([20, 30]), np.array([0, 99]))      # disjoint ranges
+    assert not f.overlaps(np.array([11, 13]), np.array([99, 102]))    # ranges meet, members do not
+    assert f.overlaps(np.array([5, 14]), np.array([0]))               # a shared host slot
+    assert f.overlaps(np.array([1]), np.array([101, 300]))            # a shared device slot
+    assert not f.overlaps(np.array([], dtype=np.int64), np.array([], dtype=np.int64))
+
+
 def test_bench_transfer_quick_writes_rows(tmp_path):
     out = tmp_path / "rows.json"
     png = tmp_path / "rows.png"

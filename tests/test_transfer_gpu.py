@@ -354,3 +354,72 @@ def test_cuda_indices_are_read_back_once_per_transfer(backend, validate, monkeyp
         for buf in getattr(dev, layer_attr(c.name)):
             assert torch.equal(_b(buf[back]), _b(buf[d]))
     host.close()
+
+
+@pytest.mark.parametrize("background", [True, False])
+@pytest.mark.parametrize("backend", ["dma", "auto", "kernel"])
+def test_a_backup_and_a_load_issued_back_to_back_move_the_right_bytes(backend, background):
+    """The backup's copies are queued by the engine's thread (or inline) while the caller
+    queues a load of other slots through the same backend; then a load reads what the
+    backup wrote. Many chunks each way (16 MiB staging), so the two threads interleave."""
+    from dataclasses import replace
+
+    from kvtier.transfer.base import get_backend
+    spec = KVSpec("mha", 8, torch.bfloat16, head_num=8, head_dim=128)  # 32 KiB per token
+    tokens = 4096
+    dev, host = _pools(spec, 16, "page_first", tokens=tokens)
+    for c in host.component_tensors:
+        host.raw_bytes(c).view(torch.uint8).random_(0, 256)
+    eng = TransferEngine(host, backend, background_backups=background)
+    dma = get_backend("dma", torch.device("cuda"))
+    old, dma.config = dma.config, replace(dma.config, staging_bytes=16 << 20)
+    try:
+        rng = np.random.default_rng(3)
+        h1, h2 = torch.arange(tokens), torch.arange(tokens, 2 * tokens)
+        d1 = _pages(rng, tokens // 16, tokens // 16 // 2, 16)                   # first half of the device
+        d2 = _pages(rng, tokens // 16, tokens // 16 // 2, 16) + tokens          # second half
+        ref = host_pool_for(dev, "page_first", host_size_tokens=host.size)
+        for _ in range(3):
+            host_before = {c: host.raw_bytes(c).clone() for c in host.component_tensors}
+            src = {k: st[:, d1.cuda()].clone() for k, st in dev.stacks.items()}
+            hd = eng.backup(h1[: d1.numel()], d1)
+            ld = eng.load(h2[: d2.numel()], d2)
+            hd.synchronize()
+            ld.synchronize()
+            # The load read h2's bytes as they were: backing d2 up into a copy of them changes nothing.
+            for c in host.component_tensors:
+                ref.raw_bytes(c).copy_(host_before[c])
+            ref.backup_from_device_all_layer(dev, h2[: d2.numel()], d2, "direct")
+            for c in host.component_tensors:
+                assert torch.equal(ref.raw_bytes(c), host_before[c]), c
+            eng.load(h1[: d1.numel()], d2).synchronize()   # what the backup wrote, into d2
+            for k, st in dev.stacks.items():
+                assert torch.equal(_b(st[:, d2.cuda()]), _b(src[k])), k
+            for st in dev.stacks.values():
+                st.view(torch.uint8).random_(0, 256)
+        ref.close()
+    finally:
+        dma.config = old
+    host.close()
+
+
+def test_an_error_while_a_backup_is_queued_in_the_background_reaches_its_handle():
+    """Staging that cannot be allocated fails inside the engine's thread: the handle raises
+    it, and a load of the same slots issued after it still runs (it waits without raising)."""
+    from kvtier.transfer.dma import DMABackend, DMAConfig
+    spec = SPECS["mha_odd"]
+    dev, host = _pools(spec, 1, "layer_first", tokens=1024)
+    eng = TransferEngine(host, "dma")
+    good = eng.backend
+    eng.backend = DMABackend(DMAConfig(staging_bytes=1 << 50, kernel_below=0))  # a petabyte
+    h = torch.arange(512)
+    hd = eng.backup(h, h)
+    with pytest.raises(torch.OutOfMemoryError):
+        hd.synchronize()
+    eng.backend = good
+    before = {k: st[:, 512:1024].clone() for k, st in dev.stacks.items()}
+    eng.backup(h, torch.arange(512, 1024)).synchronize()
+    eng.load(h, h).synchronize()   # ordered after the failed backup of the same slots: no raise
+    for k, st in dev.stacks.items():
+        assert torch.equal(_b(st[:, :512]), _b(before[k]))
+    host.close()

@@ -142,6 +142,25 @@ def test_a_transfer_after_one_that_shared_the_link_is_chosen_as_sharing_it():
     assert t.sharing(True)                            # a load is in flight right now
 
 
+def test_a_transfer_counts_as_in_flight_from_when_it_is_opened():
+    """A backup prepared but still being queued (by the engine's background thread) already
+    makes a load issued now share the link; one that failed stops counting, with no sample."""
+    from kvtier.transfer.online import PendingTimings
+    c, t = OnlineChooser(explore=1), PendingTimings()
+    backup = (True, "geom")
+    opened = t.open(backup, "dma", _Clock(0))
+    assert t.busy(True) and t.sharing(False)
+    t.harvest(c)                                       # nothing to harvest before it closes
+    assert not c.samples[backup]
+    t.close(opened, 10**9, _Clock(20))
+    t.harvest(c)
+    assert c.samples[backup]["dma"] == [50.0] and not t.busy(True)
+    failed = t.open(backup, "dma", _Clock(30))
+    t.drop(failed)
+    t.harvest(c)
+    assert not t.busy(True) and c.samples[backup]["dma"] == [50.0]
+
+
 def test_a_transfer_sharing_the_link_goes_by_dma_where_it_can():
     """Samples time one direction only; a zero-copy kernel's cost lands on the other one."""
     from kvtier.transfer.online import DUPLEX

@@ -225,13 +225,20 @@ class AutoBackend(Backend):
         self.last_choice = ["kernel" if p is None else "dma" for p in plans]
         inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota)
         state = {"bytes": 0}
+        # In flight from now: a backup's copies may be queued later, by the engine's
+        # background thread, after the load that follows it asked whether it shares the link.
+        timing = self.timings.open(key, choice, start)
 
         def run(layer):
-            inner(layer)
+            try:
+                inner(layer)
+            except BaseException:
+                self.timings.drop(timing)
+                raise
             state["bytes"] += per_run
             if layer is None or layer == parts[0].layer_num - 1:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record(torch.cuda.current_stream(device))
-                self.timings.add(key, choice, state["bytes"], start, end)
+                self.timings.close(timing, state["bytes"], end)
             self.last_blocks = self.dma.last_blocks
         return run

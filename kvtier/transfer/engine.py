@@ -10,11 +10,15 @@ operation returns a handle that says when it is complete:
 On the CPU every operation completes before it returns and the handles are
 already done. On CUDA (see :mod:`kvtier.transfer.gpu`) backups and loads
 run on their own streams, ordered after the compute that produced the data.
+A backup's copies are queued by a background thread (``background_backups``),
+so the caller, and a load it issues next, does not wait while the host queues
+gigabytes of copies.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,16 +33,37 @@ class TransferHandle:
 
     Holds every tensor the transfer reads (index tensors, their device
     copies) until it is complete, so none is freed or reused under it.
+    ``queued``: set when a background thread queues the transfer's copies;
+    the event is recorded (after them) once it is done, and an error the
+    thread hit is raised by ``done``, ``wait`` and ``synchronize``.
     """
 
-    def __init__(self, nbytes: int = 0, event=None, started: float | None = None, keep=()):
+    def __init__(self, nbytes: int = 0, event=None, started: float | None = None, keep=(),
+                 queued: Future | None = None):
         self.nbytes = nbytes
         self._event = event
         self._keep = keep
+        self._queued = queued
         self.started = time.perf_counter() if started is None else started
         self.finished_at: float | None = None if event is not None else self.started
 
+    def _await_queued(self, raise_error: bool = True) -> None:
+        """Block the host until every copy is queued (not until they have run)."""
+        if self._queued is not None:
+            err = self._queued.exception()
+            if err is not None and raise_error:
+                raise err
+
+    def _finished(self) -> bool:
+        """Queued and complete on the device (whether the queueing failed or not); never raises."""
+        if self._queued is not None and not self._queued.done():
+            return False
+        return self._event is None or self._event.query()
+
     def done(self) -> bool:
+        if self._queued is not None and not self._queued.done():
+            return False
+        self._await_queued()
         if self._event is None or self._event.query():
             if self.finished_at is None:
                 self.finished_at = time.perf_counter()
@@ -46,12 +71,15 @@ class TransferHandle:
             return True
         return False
 
-    def wait(self, stream=None) -> None:
-        """Make ``stream`` (default: the current one) wait for the transfer, without blocking the host."""
+    def wait(self, stream=None, raise_error: bool = True) -> None:
+        """Make ``stream`` (default: the current one) wait for the transfer. Blocks the host
+        only while a background thread is still queueing its copies (a few ms at most)."""
+        self._await_queued(raise_error)
         if self._event is not None:
             (torch.cuda.current_stream() if stream is None else stream).wait_event(self._event)
 
     def synchronize(self) -> None:
+        self._await_queued()
         if self._event is not None:
             self._event.synchronize()
         self.done()
@@ -81,6 +109,14 @@ class LayerLoad:
     def layer_done(self, layer: int) -> bool:
         return self._events is None or self._events[layer].query()
 
+    def wait(self, stream=None, raise_error: bool = True) -> None:
+        """Make ``stream`` wait for every layer (``raise_error``: as :meth:`TransferHandle.wait`)."""
+        if self._events is not None:
+            self.wait_layer(self.layer_num - 1, stream)
+
+    def _finished(self) -> bool:
+        return self._events is None or self._events[-1].query()
+
     def done(self) -> bool:
         if self._events is None or self._events[-1].query():
             if self.finished_at is None:
@@ -88,10 +124,6 @@ class LayerLoad:
             self._keep = ()
             return True
         return False
-
-    @property
-    def _event(self):
-        return None if self._events is None else self._events[-1]
 
     def synchronize(self) -> None:
         if self._events is not None:
@@ -113,9 +145,21 @@ class _InFlight:
 
     def __init__(self, handle, host: np.ndarray, dev: np.ndarray, to_host: bool):
         self.handle, self.host, self.dev, self.to_host = handle, host, dev, to_host
+        self.host_span, self.dev_span = _span(host), _span(dev)
 
     def overlaps(self, host: np.ndarray, dev: np.ndarray) -> bool:
-        return bool(np.isin(host, self.host, kind="table").any() or np.isin(dev, self.dev, kind="table").any())
+        # Disjoint ranges first: np.isin over 32k slots costs the host ~1 ms (H200 timeline
+        # probe), and transfers of different pages usually lie in different ranges.
+        return bool((_meet(self.host_span, _span(host)) and np.isin(host, self.host, kind="table").any())
+                    or (_meet(self.dev_span, _span(dev)) and np.isin(dev, self.dev, kind="table").any()))
+
+
+def _span(x: np.ndarray) -> tuple[int, int] | None:
+    return (int(x.min()), int(x.max())) if x.size else None
+
+
+def _meet(a, b) -> bool:
+    return a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
 
 
 class TransferEngine:
@@ -132,9 +176,17 @@ class TransferEngine:
     transfer touches before its handle is ``done()`` (or, on the GPU, before
     it made its stream wait on the handle: ``wait_layer`` / ``wait``).
     ``block_quota`` bounds the SMs a zero-copy transfer may occupy.
+
+    ``background_backups`` (CUDA): a backup is checked, ordered and planned
+    in the caller's thread, and its copies are then queued by one background
+    thread (in order, one backup after another). Queueing a 4 GiB backup
+    takes the host 8-10 ms per part (H200, ``probe_host_timeline_h200.json``):
+    inline, a load issued right after it started only once that was done.
+    ``False`` queues everything in the caller's thread before returning.
     """
 
-    def __init__(self, host_pool, io_backend: str | None = None, *, block_quota: int | None = None):
+    def __init__(self, host_pool, io_backend: str | None = None, *, block_quota: int | None = None,
+                 background_backups: bool = True):
         self.host_pool = host_pool
         self.device_pool = host_pool.device_pool
         self.device = torch.device(getattr(self.device_pool, "device", "cpu"))
@@ -142,11 +194,15 @@ class TransferEngine:
             io_backend = "auto" if self.device.type == "cuda" else "direct"
         if block_quota is not None:
             require_positive_int("block_quota", block_quota)
+        if not isinstance(background_backups, bool):
+            raise ValueError(f"background_backups must be True or False, got {background_backups!r}")
         self.backend = get_backend(io_backend, self.device)
         self.io_backend = io_backend
         self.block_quota = block_quota
         self.stats = TransferStats()
         self._inflight: list[_InFlight] = []
+        self.background_backups = background_backups
+        self._issuer: ThreadPoolExecutor | None = None
         if self.device.type == "cuda":
             lo, hi = torch.cuda.Stream.priority_range()
             self.backup_stream = torch.cuda.Stream(self.device, priority=lo)
@@ -199,10 +255,13 @@ class TransferEngine:
         with torch.cuda.stream(stream):
             run = self._runner(parts, h, d, to_host, h_np)
             if to_host:
-                run(None)
                 event = torch.cuda.Event()
-                event.record(stream)
-                handle = TransferHandle(nbytes, event, keep=(h, d, run))
+                if self.background_backups:
+                    queued = self._issue_thread().submit(_queue_backup, stream, run, event)
+                else:
+                    queued = None
+                    _queue_backup(stream, run, event)
+                handle = TransferHandle(nbytes, event, keep=(h, d, run), queued=queued)
             else:
                 events = []
                 for layer in range(self.layer_num):
@@ -212,6 +271,13 @@ class TransferEngine:
                 handle = LayerLoad(self.layer_num, nbytes, events, keep=(h, d, run))
         self._inflight.append(_InFlight(handle, h_np, d_np, to_host))
         return handle
+
+    def _issue_thread(self) -> ThreadPoolExecutor:
+        if self._issuer is None:
+            index = torch.cuda.current_device() if self.device.index is None else self.device.index
+            self._issuer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-backup",
+                                              initializer=torch.cuda.set_device, initargs=(index,))
+        return self._issuer
 
     def _runner(self, parts, h, d, to_host: bool, h_np: np.ndarray):
         prepare = getattr(self.backend, "prepare", None)
@@ -223,7 +289,18 @@ class TransferEngine:
 
     def _order_after_conflicts(self, stream, h_np, d_np, to_host: bool) -> None:
         """Make ``stream`` wait for unfinished transfers on the other stream that share a slot."""
-        self._inflight = [f for f in self._inflight if not f.handle.done()]
+        self._inflight = [f for f in self._inflight if not f.handle._finished()]
         for f in self._inflight:
             if f.to_host != to_host and f.overlaps(h_np, d_np):
-                stream.wait_event(f.handle._event)
+                # A failed backup's event still follows whatever it queued: wait, do not raise.
+                f.handle.wait(stream, raise_error=False)
+
+
+def _queue_backup(stream, run, event) -> None:
+    """Queue a backup's copies on ``stream``, then ``event`` after them (even if queueing fails,
+    so a transfer ordered after this one waits for whatever was queued)."""
+    with torch.cuda.stream(stream):
+        try:
+            run(None)
+        finally:
+            event.record(stream)

@@ -103,29 +103,59 @@ def _before(a, b) -> bool:
     return a.elapsed_time(b) > 0
 
 
+class _Timing:
+    """One timed transfer: ``end`` is None until its last copy is queued."""
+
+    __slots__ = ("key", "candidate", "nbytes", "start", "end")
+
+    def __init__(self, key, candidate: str, start, nbytes: int = 0, end=None):
+        self.key, self.candidate, self.start, self.nbytes, self.end = key, candidate, start, nbytes, end
+
+    def complete(self) -> bool:
+        return self.end is not None and self.end.query()
+
+
 class PendingTimings:
     """Start/end events of transfers in flight; harvested when they complete.
 
     A transfer that ran while one in the other direction did shares the
     link with it, so its sample is filed under its key plus ``DUPLEX`` and
     never mixes with the samples of transfers that had the link alone.
-    Keys start with the direction (``to_host``).
+    Keys start with the direction (``to_host``). A transfer counts as in
+    flight from :meth:`open` (when it is prepared), not only once its copies
+    are queued: a backup's copies may still be being queued by a background
+    thread when the load after it asks whether it will share the link.
     """
 
     def __init__(self, history: int = 16):
-        self._pending: list[tuple] = []
+        self._pending: list[_Timing] = []
         self._recent: deque = deque(maxlen=history)  # (to_host, start, end) of finished samples
         self._last_shared = {True: False, False: False}  # per direction: did its last sample share the link?
         self._lock = threading.Lock()
 
-    def add(self, key, candidate: str, nbytes: int, start, end) -> None:
+    def open(self, key, candidate: str, start) -> _Timing:
+        """A transfer starts (``start``: its start event, recorded); :meth:`close` it once queued."""
+        t = _Timing(key, candidate, start)
         with self._lock:
-            self._pending.append((key, candidate, nbytes, start, end))
+            self._pending.append(t)
+        return t
+
+    def close(self, t: _Timing, nbytes: int, end) -> None:
+        with self._lock:
+            t.nbytes, t.end = nbytes, end
+
+    def drop(self, t: _Timing) -> None:
+        """Forget a transfer that failed: no sample, and no longer in flight."""
+        with self._lock:
+            self._pending = [p for p in self._pending if p is not t]
+
+    def add(self, key, candidate: str, nbytes: int, start, end) -> None:
+        self.close(self.open(key, candidate, start), nbytes, end)
 
     def busy(self, to_host: bool) -> bool:
         """True while a timed transfer in direction ``to_host`` has not finished."""
         with self._lock:
-            return any(p[0][0] == to_host and not p[4].query() for p in self._pending)
+            return any(p.key[0] == to_host and not p.complete() for p in self._pending)
 
     def sharing(self, to_host: bool) -> bool:
         """Whether a transfer in direction ``to_host`` starting now will likely share the link:
@@ -136,22 +166,23 @@ class PendingTimings:
 
     def harvest(self, chooser: OnlineChooser) -> None:
         with self._lock:
-            done = [p for p in self._pending if p[4].query()]
-            self._pending = [p for p in self._pending if p not in done]
-            spans = [(p[0][0], p[3], p[4]) for p in done + self._pending] + list(self._recent)
-            self._recent.extend((p[0][0], p[3], p[4]) for p in done)
-        for key, cand, nbytes, start, end in done:
-            ms = start.elapsed_time(end)
+            done = [p for p in self._pending if p.complete()]
+            self._pending = [p for p in self._pending if all(p is not q for q in done)]
+            spans = [(p.key[0], p.start, p.end) for p in done + self._pending] + list(self._recent)
+            self._recent.extend((p.key[0], p.start, p.end) for p in done)
+        for p in done:
+            ms = p.start.elapsed_time(p.end)
             if ms <= 0:
                 continue
-            shared = any(d != key[0] and _overlaps(start, end, s, e) for d, s, e in spans)
-            self._last_shared[key[0]] = shared
-            base = key[:-1] if key[-1] == DUPLEX else key  # how it ran decides, not what was expected
-            chooser.record(base + (DUPLEX,) if shared else base, cand, nbytes / (ms / 1e3) / 1e9)
+            shared = any(d != p.key[0] and _overlaps(p.start, p.end, s, e) for d, s, e in spans)
+            self._last_shared[p.key[0]] = shared
+            base = p.key[:-1] if p.key[-1] == DUPLEX else p.key  # how it ran decides, not what was expected
+            chooser.record(base + (DUPLEX,) if shared else base, p.candidate, p.nbytes / (ms / 1e3) / 1e9)
 
 
 def _overlaps(start, end, s, e) -> bool:
-    """Whether [start, end] (complete) and [s, e] (``e`` may still be pending) intersect."""
+    """Whether [start, end] (complete) and [s, e] (``e`` may still be pending, or not yet
+    recorded: None) intersect."""
     if not s.query() or not _before(s, end):
         return False
-    return not e.query() or _before(start, e)
+    return e is None or not e.query() or _before(start, e)
