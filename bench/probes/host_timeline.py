@@ -15,7 +15,15 @@ recorded just before the call, as the bench records it.
 Cases: MLA layer_first page 1 backup and per-layer load, MHA layer_first page
 1 backup, and a backup and a load queued back to back (the bench's "both"
 row), allocator slots, 32,768 tokens; three calls of each after two warm-ups,
-the last logged in full and the first-copy start of each.
+the last logged in full and the first-copy start of each. "both" runs twice:
+with the backup's copies queued by the engine's background thread (the
+default) and queued inline by the caller (``background_backups=False``).
+
+Run 21 (inline then, ``probe_host_timeline_h200.json``): the first copy
+started 1.8-2.4 ms after the call (planning bound 0.6 ms, index copy 0.5 ms,
+the first chunk's gather and copies 0.8 ms); queueing a backup's chunks
+held the host 8-10 ms per part, so in "both" the load's first copy started
+at 15 ms (MLA) and 23 ms (MHA) of a 61 and 105 ms pair.
 Usage: python bench/probes/host_timeline.py OUT.json [--tokens N]
 """
 
@@ -122,8 +130,8 @@ def install():
                     lambda *a, **k: torch.cuda.ExternalStream(a[5]))
 
 
-def run_case(name, case, h1, d1, h2, d2, what):
-    eng = TransferEngine(case.host, "dma")
+def run_case(name, case, h1, d1, h2, d2, what, background=True):
+    eng = TransferEngine(case.host, "dma", background_backups=background)
 
     def go():
         if what == "backup":
@@ -150,7 +158,34 @@ def run_case(name, case, h1, d1, h2, d2, what):
         starts = [m for m in marks if m["step"].endswith("device starts")]
         summary.append({"total_ms": total, "first_device_work_ms": starts[0]["device_ms"] if starts else None,
                         "gbps": round((2 if what == "both" else 1) * case.nbytes / total / 1e6, 2)})
-    log(f"{name}/{what}", {"summary": summary, "last": marks})
+    log(f"{name}/{what}" + ("" if background else " (backup queued inline)"), {"summary": summary, "last": marks})
+
+
+def host_costs(case, h1, d1):
+    """Host milliseconds of the steps before a backup's first copy, each timed alone (median
+    of 20): run 21 saw 0.6 ms for the planning bound that takes 0.07 ms on a CI machine."""
+    from kvtier.transfer.dma_plan import RAMP_MIN_BYTES, ChunkedPlan, mean_copy_bound
+    from kvtier.transfer.triton_kernels import fetch_index
+    part, hn = case.host.transfer_parts()[0], h1.numpy()
+    staging = dma_mod.DMAConfig().staging_bytes
+
+    def ms(fn):
+        fn()
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return round(float(np.median(times)), 4)
+    plan = ChunkedPlan(part.host, hn, part.layer_num, staging, ramp=RAMP_MIN_BYTES)
+    return {
+        "mean_copy_bound": ms(lambda: mean_copy_bound(part.host, hn, part.layer_num, staging)),
+        "chunked_plan_init": ms(lambda: ChunkedPlan(part.host, hn, part.layer_num, staging, ramp=RAMP_MIN_BYTES)),
+        "first_chunk_calls": ms(lambda: (plan._calls.clear(), plan.calls(0))),
+        "pin_memory": ms(lambda: d1.pin_memory()),
+        "fetch_index": ms(lambda: fetch_index(d1, torch.device("cuda"))),
+        "event_record": ms(lambda: torch.cuda.Event().record()),
+    }
 
 
 def main():
@@ -158,12 +193,18 @@ def main():
     T = Timeline()
     install()
     rng = np.random.default_rng(0)
+    case = Case("mla", "layer_first", 1, TOKENS, "cuda", None)
+    log("host costs, mla/layer_first/p1", host_costs(case, *case.indices(False, rng)[:2]))
+    case.host.close()
+    del case
     for kind, layout, whats in (("mla", "layer_first", ("backup", "load", "both")),
                                 ("mha", "layer_first", ("backup", "both"))):
         case = Case(kind, layout, 1, TOKENS, "cuda", None)
         idx = case.indices(False, rng)
         for what in whats:
             run_case(f"{kind}/{layout}/p1/allocator", case, *idx, what)
+        # A/B in the same process: the backup's copies queued by the caller before the load.
+        run_case(f"{kind}/{layout}/p1/allocator", case, *idx, "both", background=False)
         case.host.close()
         del case
         torch.cuda.empty_cache()
