@@ -23,7 +23,9 @@ Run 21 (inline then, ``probe_host_timeline_h200.json``): the first copy
 started 1.8-2.4 ms after the call (planning bound 0.6 ms, index copy 0.5 ms,
 the first chunk's gather and copies 0.8 ms); queueing a backup's chunks
 held the host 8-10 ms per part, so in "both" the load's first copy started
-at 15 ms (MLA) and 23 ms (MHA) of a 61 and 105 ms pair.
+at 15 ms (MLA) and 23 ms (MHA) of a 61 and 105 ms pair. Run 22 (the A/B):
+MLA pairs 77.8-79.5 GB/s in the background against 66.6-69.3 inline, MHA
+87-92 against 75-84 (``probe_host_timeline_h200.json``).
 Usage: python bench/probes/host_timeline.py OUT.json [--tokens N]
 """
 
