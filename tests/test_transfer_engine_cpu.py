@@ -118,3 +118,38 @@ def test_transfer_plot_draws_a_bar_per_row_and_refuses_an_empty_run(tmp_path):
     with pytest.raises(ValueError, match="no transfer rows"):
         plot_transfer([r for r in rows if r["kind"] == "all"], str(tmp_path / "none.png"), "limits only")
     assert not (tmp_path / "none.png").exists()
+
+
+def test_the_background_thread_gives_way_to_a_load_being_prepared_but_never_for_long():
+    """Between its chunks the backup thread waits while a load is prepared (until the load's
+    first layer is queued), and at most GIVE_WAY_S; the hook is per thread."""
+    import threading
+    import time
+
+    from kvtier.transfer import engine as engine_mod
+    from kvtier.transfer.base import between_chunks, chunk_hook
+    spec = KVSpec("mla", 2, torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8)
+    eng = TransferEngine(host_pool_for(pool_from_spec(spec, 32, 1, "cpu"), "layer_first", host_size_tokens=32))
+    waited = []
+
+    def backup_thread():
+        with chunk_hook(eng._pause_for_loads):
+            t0 = time.perf_counter()
+            between_chunks()
+            waited.append(time.perf_counter() - t0)
+    between_chunks()  # no hook in this thread: nothing happens
+    t = threading.Thread(target=backup_thread)
+    t.start()
+    t.join()
+    assert waited[0] < engine_mod.GIVE_WAY_S  # no load being prepared: no wait
+    with eng._load_first():
+        t = threading.Thread(target=backup_thread)
+        t.start()
+        time.sleep(0.001)
+        assert t.is_alive()        # waiting for the load
+    t.join()                       # released when the load's first layer is queued
+    assert waited[1] < 10 * engine_mod.GIVE_WAY_S
+    with eng._load_first():        # a load that takes long: the wait is bounded
+        t0 = time.perf_counter()
+        backup_thread()
+        assert engine_mod.GIVE_WAY_S * 0.9 <= time.perf_counter() - t0 < 10 * engine_mod.GIVE_WAY_S

@@ -11,8 +11,10 @@ waiting; ordering and completion are the transfer engine's business.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -64,6 +66,29 @@ class Backend:
              layer: int) -> None:
         """Copy host slots ``host_idx`` of one layer to device slots ``dev_idx``."""
         raise NotImplementedError
+
+
+_hooks = threading.local()
+
+
+def between_chunks() -> None:
+    """A backend calls this between the chunks of a transfer it queues. In a thread that
+    queues transfers for someone else (the engine's background thread for backups) it
+    lets that thread give way to the caller (:func:`chunk_hook`); elsewhere it does nothing."""
+    fn = getattr(_hooks, "between_chunks", None)
+    if fn is not None:
+        fn()
+
+
+@contextmanager
+def chunk_hook(fn: Callable[[], None]):
+    """Run ``fn`` at every :func:`between_chunks` of this thread inside the block."""
+    old = getattr(_hooks, "between_chunks", None)
+    _hooks.between_chunks = fn
+    try:
+        yield
+    finally:
+        _hooks.between_chunks = old
 
 
 _BACKENDS: dict[str, Backend] = {}

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from .base import Backend, TransferPart
+from .base import Backend, TransferPart, between_chunks
 from .cudart import has_batch, memcpy2d, memcpy_batch
 from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, choose_group, dma_capable,
                        grouped_plan, mean_copy_bound, run_class)
@@ -319,6 +319,7 @@ class DMABackend(Backend):
             cur.wait_event(slot.ready)
             _issue(tall, flat, host_base, slot.buf.data_ptr(), True, cur.cuda_stream, self.config.batch_min)
             slot.free.record(cur)
+            between_chunks()
 
     def _load_chunks(self, ring, cur, part, p, ptrs, d, host_base, layer, n_layers) -> None:
         """Copy each chunk from the host on the side stream, then scatter it on ``cur``."""
