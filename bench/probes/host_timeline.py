@@ -25,7 +25,9 @@ the first chunk's gather and copies 0.8 ms); queueing a backup's chunks
 held the host 8-10 ms per part, so in "both" the load's first copy started
 at 15 ms (MLA) and 23 ms (MHA) of a 61 and 105 ms pair. Run 22 (the A/B):
 MLA pairs 77.8-79.5 GB/s in the background against 66.6-69.3 inline, MHA
-87-92 against 75-84 (``probe_host_timeline_h200.json``).
+87-92 against 75-84 (``probe_host_timeline_h200.json``). Run 23, the thread
+giving way to a load being prepared: the load's first copy at 7.2-7.8 ms,
+not 11-12 (``probe_host_timeline_h200_run23.json``).
 Usage: python bench/probes/host_timeline.py OUT.json [--tokens N]
 """
 
