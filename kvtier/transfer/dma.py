@@ -308,7 +308,7 @@ class DMABackend(Backend):
         The gather needs no copies: it runs while the host plans the chunk's."""
         wp = None  # the same for every staging buffer (all 256-byte aligned): worked out once
         for i in range(p.n_chunks):
-            j0, m = int(p.bounds[i]), int(p.bounds[i + 1] - p.bounds[i])
+            j0, m = p.items(i)
             slot = ring.take(p.staging_bytes)
             wp = wp or WordPlan.for_copy(p.staging, slot.buf, part.device_layers)
             ring.side.wait_event(slot.free)
@@ -325,7 +325,7 @@ class DMABackend(Backend):
         """Copy each chunk from the host on the side stream, then scatter it on ``cur``."""
         wp = None
         for i in range(p.n_chunks):
-            j0, m = int(p.bounds[i]), int(p.bounds[i + 1] - p.bounds[i])
+            j0, m = p.items(i)
             slot = ring.take(p.staging_bytes)
             wp = wp or WordPlan.for_copy(p.staging, slot.buf, part.device_layers)
             tall, flat = p.calls(i)

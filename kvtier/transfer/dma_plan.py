@@ -132,6 +132,11 @@ class _Chunks:
     def staging_bytes(self) -> int:
         return self.staging.total_bytes
 
+    def items(self, i: int) -> tuple[int, int]:
+        """(first item, item count) of chunk ``i``: no planning needed."""
+        j0 = int(self.bounds[i])
+        return j0, int(self.bounds[i + 1]) - j0
+
 
 @dataclass(frozen=True)
 class DMAPlan(_Chunks):
@@ -185,8 +190,7 @@ class DMAPlan(_Chunks):
 
     def chunk(self, i: int) -> tuple[int, int, np.ndarray]:
         """(first item, item count, copies) of chunk ``i``."""
-        j0 = int(self.bounds[i])
-        return j0, int(self.bounds[i + 1]) - j0, self.copies[self.c_lo[i]:self.c_lo[i + 1]]
+        return *self.items(i), self.copies[self.c_lo[i]:self.c_lo[i + 1]]
 
     def calls(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Chunk ``i``'s pitched rows and 1-D copies."""
@@ -347,15 +351,14 @@ class ChunkedPlan(_Chunks):
 
     def _chunk_calls(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if i not in self._calls:
-            j0, j1 = int(self.bounds[i]), int(self.bounds[i + 1])
-            copies, _ = _copies(self._pl, self.staging, self._idx[j0:j1], np.array([0, j1 - j0]), self._layers)
+            j0, m = self.items(i)
+            copies, _ = _copies(self._pl, self.staging, self._idx[j0:j0 + m], np.array([0, m]), self._layers)
             self._calls[i] = (copies, *split_copies(copies, self._max_pitch))
         return self._calls[i]
 
     def chunk(self, i: int) -> tuple[int, int, np.ndarray]:
         """(first item, item count, copies) of chunk ``i``."""
-        j0 = int(self.bounds[i])
-        return j0, int(self.bounds[i + 1]) - j0, self._chunk_calls(i)[0]
+        return *self.items(i), self._chunk_calls(i)[0]
 
     def calls(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Chunk ``i``'s pitched rows and 1-D copies, planned on first use."""
