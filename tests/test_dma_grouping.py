@@ -19,7 +19,7 @@ from kvtier.layouts import LAYOUTS
 from kvtier.spec import KVSpec
 from hypothesis import given, strategies as st
 
-from kvtier.transfer.dma_plan import (RAMP_DIV, ChunkedPlan, chunk_bounds, choose_group, group_sizes, grouped_plan,
+from kvtier.transfer.dma_plan import (RAMP_DIV, ChunkedPlan, Runs, chunk_bounds, choose_group, group_sizes, grouped_plan,
                                       mean_copy_bound, narrow_layer_rows, plan, split_copies)
 
 PROBE = json.loads((Path(__file__).parent.parent / "bench/results/probe_host_issue_h200.json").read_text())
@@ -193,16 +193,21 @@ def test_mean_copy_bound_never_underestimates_the_plan(layout, ps, layers, n_pag
        layers=st.sampled_from([1, 3, 32]), n_pages=st.integers(0, 120), seed=st.integers(0, 2**16),
        run=st.sampled_from([1, 3, 50]), stage_kib=st.sampled_from([64, 1024, 1 << 17]),
        ramp=st.sampled_from([0, 1 << 14, 4 << 20]), max_pitch=st.sampled_from([None, 4096]),
-       order=st.sampled_from(["chunks", "reversed", "whole first"]))
+       order=st.sampled_from(["chunks", "reversed", "whole first"]), one_run=st.booleans())
 def test_chunked_plan_is_the_plan_chunk_by_chunk(layout, ps, layers, n_pages, seed, run, stage_kib, ramp,
-                                                 max_pitch, order):
+                                                 max_pitch, order, one_run):
     """Planned a chunk at a time (in any order), every chunk's calls and the whole-plan figures
-    are exactly the plan's."""
+    are exactly the plan's; also for one run of slots from anywhere (planned from templates)."""
     pl = LAYOUTS[layout].placement(MHA.components[0], 32, 4096, ps)
     rng = np.random.default_rng(seed)
-    starts = rng.permutation(4096 // ps // run)[: max(1, n_pages // run)] * run
-    pages = (starts[:, None] + np.arange(run)).reshape(-1)[:n_pages]
+    if one_run:
+        pages = int(rng.integers(0, 4096 // ps - n_pages + 1)) + np.arange(n_pages)
+    else:
+        starts = rng.permutation(4096 // ps // run)[: max(1, n_pages // run)] * run
+        pages = (starts[:, None] + np.arange(run)).reshape(-1)[:n_pages]
     host = (pages[:, None] * ps + np.arange(ps)).reshape(-1).astype(np.int64)
+    if one_run:
+        assert Runs.of(host).single == (n_pages > 0)
     want = plan(pl, host, layers, stage_kib << 10, max_pitch, ramp=ramp)
     got = ChunkedPlan(pl, host, layers, stage_kib << 10, max_pitch, ramp=ramp)
     assert got.staging == want.staging and got.staging_bytes == want.staging_bytes
@@ -215,6 +220,23 @@ def test_chunked_plan_is_the_plan_chunk_by_chunk(layout, ps, layers, n_pages, se
         assert np.array_equal(gt, wt) and np.array_equal(gf.reshape(-1, 3), wf.reshape(-1, 3))
         assert got.chunk(i)[:2] == want.chunk(i)[:2] and np.array_equal(got.chunk(i)[2], want.chunk(i)[2])
     assert got.mean_copy == want.mean_copy and got.n_calls == want.n_calls and got.n_flat == want.n_flat
+
+
+@given(runs=st.lists(st.integers(1, 40), max_size=12), gap=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_runs_count_every_run_length(runs, gap, seed):
+    """Runs.of: the lengths of the runs of consecutive slots, in any order of the runs, and
+    the mean-length class the shape keys use."""
+    order = np.random.default_rng(seed).permutation(len(runs))
+    starts = np.cumsum([0] + [k + gap for k in runs])[:-1]
+    host = np.concatenate([np.arange(starts[i], starts[i] + runs[i]) for i in order] or [np.zeros(0, np.int64)])
+    got = Runs.of(host.astype(np.int64))
+    # At least one free slot after every run: runs never join, in whatever order they come.
+    want = {}
+    for k in runs:
+        want[k] = want.get(k, 0) + 1
+    assert dict(zip(got.lengths, got.counts)) == want and got.n == sum(runs)
+    assert got.single == (len(runs) == 1)
+    assert got.mean_class == (int(np.log2(max(sum(runs) / len(runs), 1))) if runs else 0)
 
 
 def test_chunked_plan_keeps_its_own_copy_of_the_slots():

@@ -25,7 +25,7 @@ from ..layouts import Placement
 from .base import Backend, TransferPart
 from .cudart import has_batch, memcpy2d, memcpy_batch
 from .dma import DMABackend
-from .dma_plan import DMAPlan
+from .dma_plan import DMAPlan, Runs
 from .kernel import KernelBackend, check_mapped, host_numpy
 from .online import DUPLEX, OnlineChooser, PendingTimings, shape_key
 from .timing import event_seconds
@@ -201,7 +201,8 @@ class AutoBackend(Backend):
         start.record(torch.cuda.current_stream(device))
         host_np = host_numpy(host_idx) if host_np is None else host_np
         per_run = sum(host_np.size * p.item_bytes * (p.layer_num if to_host else 1) for p in parts)
-        base = shape_key(to_host, parts, host_np, per_run)
+        runs = Runs.of(host_np)
+        base = shape_key(to_host, parts, host_np, per_run, runs)
         # A transfer the other way shares the link: its samples are kept apart, and one
         # that will likely share it goes by DMA where it can (OnlineChooser.pick: a
         # zero-copy kernel either way held both together to ~60 GB/s; copies ~90-100).
@@ -209,7 +210,7 @@ class AutoBackend(Backend):
         key = base + (DUPLEX,) if self.timings.sharing(to_host) else base
         candidates = self._candidates.get(base)
         if candidates is None:  # first transfer of this shape: rank by the prior
-            ranking = [self.dma.plan_part(p, host_np, to_host, whole) for p in parts]
+            ranking = [self.dma.plan_part(p, host_np, to_host, whole, runs) for p in parts]
             candidates = self._candidates[base] = self.ranked(parts, ranking, host_np.size, to_host)
             # Ranking plans every chunk up front (5-15 ms for 32k scattered slots), once per
             # shape: the sample starts after it, and the transfer plans afresh, as later ones
@@ -220,7 +221,7 @@ class AutoBackend(Backend):
         choice = self.chooser.pick(key, candidates, not self._dma_able.get(not to_host, True))
         self.picks[("backup" if to_host else "load", choice)] += 1
         # DMA plans are made only for DMA (chunk by chunk as the chunks are queued).
-        plans = ([self.dma.plan_part(p, host_np, to_host, whole) for p in parts] if choice == "dma"
+        plans = ([self.dma.plan_part(p, host_np, to_host, whole, runs) for p in parts] if choice == "dma"
                  else [None] * len(parts))
         self.last_choice = ["kernel" if p is None else "dma" for p in plans]
         inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota)

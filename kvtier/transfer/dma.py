@@ -34,8 +34,8 @@ import torch
 
 from .base import Backend, TransferPart, between_chunks
 from .cudart import has_batch, memcpy2d, memcpy_batch
-from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, choose_group, dma_capable,
-                       grouped_plan, mean_copy_bound, run_class)
+from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, Runs, choose_group, dma_capable,
+                       grouped_plan, mean_copy_bound, narrow_layer_rows, run_class)
 from .kernel import KernelBackend, PartTables, check_mapped, host_numpy, on_device
 from .timing import event_seconds
 from .triton_kernels import WordPlan, copy_items
@@ -145,7 +145,7 @@ class DMABackend(Backend):
         return self._rings[key]
 
     def plan_part(self, part: TransferPart, host_np: np.ndarray, to_host: bool,
-                  whole: bool = True) -> ChunkedPlan | GroupedPlan | None:
+                  whole: bool = True, runs: Runs | None = None) -> ChunkedPlan | GroupedPlan | None:
         """The plan for one part, or None where the host slots do not suit DMA
         (the part then goes through the zero-copy kernel).
 
@@ -153,21 +153,23 @@ class DMABackend(Backend):
         (``whole``) moves groups of adjacent layers (:meth:`load_group`).
         Host slots that do not suit DMA: partial pages of a page-jumping
         layout, and runs so short that the copies would average under
-        ``DMAConfig.kernel_below`` bytes.
+        ``DMAConfig.kernel_below`` bytes. ``runs``: :meth:`Runs.of` ``host_np``, if the
+        caller has it (the parts of a transfer share their host slots).
         """
         if not dma_capable(part.host, host_np):
             return None
-        layers = part.layer_num if to_host else (self.load_group(part, host_np) if whole else 1)
+        runs = runs or Runs.of(host_np)
+        layers = part.layer_num if to_host else (self.load_group(part, host_np, runs) if whole else 1)
         # The bound (run lengths only) decides, so nothing is planned yet: the plan is
         # worked out a chunk at a time as the chunks are queued (ChunkedPlan). The bound
         # leaves out the runs chunk edges split, a few per transfer.
-        if mean_copy_bound(part.host, host_np, layers, self.config.staging_bytes) < self.config.kernel_below:
+        if mean_copy_bound(part.host, host_np, layers, self.config.staging_bytes, runs=runs) < self.config.kernel_below:
             return None
         if to_host:
-            return ChunkedPlan(part.host, host_np, layers, self.config.staging_bytes, ramp=RAMP_MIN_BYTES)
-        return grouped_plan(part.host, host_np, layers, self.config.staging_bytes, chunked=True)
+            return ChunkedPlan(part.host, host_np, layers, self.config.staging_bytes, ramp=RAMP_MIN_BYTES, runs=runs)
+        return grouped_plan(part.host, host_np, layers, self.config.staging_bytes, chunked=True, runs=runs)
 
-    def load_group(self, part: TransferPart, host_np: np.ndarray) -> int:
+    def load_group(self, part: TransferPart, host_np: np.ndarray, runs: Runs | None = None) -> int:
         """Layers per copy for loading ``host_np``.
 
         Decided once per placement, device, size class and run-length class
@@ -175,9 +177,12 @@ class DMABackend(Backend):
         """
         if self.config.load_group:
             return min(self.config.load_group, part.layer_num)
-        key = (part.host, part.device_layers[0].device.index, int(host_np.size).bit_length(), run_class(host_np))
+        key = (part.host, part.device_layers[0].device.index, int(host_np.size).bit_length(), run_class(host_np, runs))
         with self._rate_lock:
             if key not in self._groups:
+                if narrow_layer_rows(part.host):
+                    # Trials share the copy engines with whatever is queued: let that finish.
+                    torch.cuda.synchronize(part.device_layers[0].device)
                 self._groups[key] = choose_group(part.host, lambda g: self.trial_rate(key, part, host_np, g),
                                                  self.config.group_target)
             return self._groups[key]
@@ -195,12 +200,14 @@ class DMABackend(Backend):
         Four chunks keep the copy pipeline mostly in its steady state: with two
         (256 MiB at 128 MiB staging, H200 run 12) page_head trials ranked 8 layers
         per copy within 3% of 32, and the real load ran at 0.91x where 16 gave 0.96x.
+        The best of three timed loads: with the median of two, one disturbed sample
+        (6.9 GB/s beside 49.8 for the same geometry, H200 run 24) picked the group.
 
         Runs on its own stream and staging (a throwaway backend: ``buffers``
         staging buffers while it runs), so it neither touches the device pool
-        nor waits behind queued transfers (though it shares the copy engines
-        with any in flight). Blocks the host for the trials: tens of
-        milliseconds, once per layout key.
+        nor waits behind queued transfers (:meth:`load_group` first waits
+        for the device's queued work, as the trials share its copy engines).
+        Blocks the host for the trials: tens of milliseconds, once per layout key.
         """
         pl, layers = part.host, part.layer_num
         payload = payload or 4 * self.config.staging_bytes
@@ -221,7 +228,7 @@ class DMABackend(Backend):
             for layer in range(layers):
                 run(layer)
         with torch.cuda.stream(stream):
-            rate = n * per_slot / event_seconds(load, reps=2) / 1e9
+            rate = n * per_slot / event_seconds(load, reps=3, best=True) / 1e9
         self._rates[key + (group,)] = rate
         return rate
 
@@ -247,7 +254,8 @@ class DMABackend(Backend):
         for part in parts:
             check_mapped(part)
         host_np = host_numpy(host_idx) if host_np is None else host_np
-        plans = [self.plan_part(p, host_np, to_host, whole) for p in parts]
+        runs = Runs.of(host_np)
+        plans = [self.plan_part(p, host_np, to_host, whole, runs) for p in parts]
         return self.runner(parts, plans, host_idx, dev_idx, block_quota)
 
     def runner(self, parts, plans, host_idx, dev_idx, block_quota=None):

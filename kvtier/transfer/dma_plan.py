@@ -10,6 +10,7 @@ it is tested on the CPU.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -57,10 +58,41 @@ def run_starts(host_idx: np.ndarray, cuts: np.ndarray | None = None) -> np.ndarr
     return np.flatnonzero(brk)
 
 
-def run_class(host_idx: np.ndarray) -> int:
+@dataclass(frozen=True)
+class Runs:
+    """The runs of consecutive slots in a host index: each distinct run length and how
+    many runs have it. Worked out once per transfer (:meth:`of`) and handed to every
+    step that needs it: the planning bound, the shape keys and the plans."""
+
+    n: int
+    lengths: tuple[int, ...]
+    counts: tuple[int, ...]
+
+    @staticmethod
+    def of(host_idx: np.ndarray) -> "Runs":
+        n = int(host_idx.size)
+        if not n:
+            return Runs(0, (), ())
+        starts = run_starts(host_idx)
+        if starts.size == 1:
+            return Runs(n, (n,), (1,))
+        lengths, counts = np.unique(np.diff(np.append(starts, n)), return_counts=True)
+        return Runs(n, tuple(lengths.tolist()), tuple(counts.tolist()))
+
+    @property
+    def single(self) -> bool:
+        """One run: the slots are ``first, first + 1, ...`` (as an allocator hands them out)."""
+        return self.counts == (1,)
+
+    @property
+    def mean_class(self) -> int:
+        """log2 of the mean run length."""
+        return int(math.log2(max(self.n / max(1, sum(self.counts)), 1)))
+
+
+def run_class(host_idx: np.ndarray, runs: Runs | None = None) -> int:
     """log2 of the mean length of the runs of consecutive slots: what decides how copies split."""
-    runs = max(1, run_starts(host_idx).size)
-    return int(math.log2(max(host_idx.size / runs, 1)))
+    return (runs or Runs.of(host_idx)).mean_class
 
 
 def dma_capable(pl: Placement, host_idx: np.ndarray) -> bool:
@@ -92,6 +124,7 @@ TALL_MIN = 8
 CLOSE_PITCH = 8
 
 
+@functools.lru_cache(maxsize=4096)
 def _run_template(host: Placement, stg: Placement, k: int, layers: int) -> np.ndarray:
     """The 2-D copies of one run of ``k`` slots, relative to its first byte on each side.
 
@@ -118,7 +151,24 @@ def _run_template(host: Placement, stg: Placement, k: int, layers: int) -> np.nd
     rows = np.empty((h_off.size, 6), dtype=np.int64)
     rows[:, 0], rows[:, 1] = h_off, s_off
     rows[:, 2:] = (width, height, hp, sp)
+    rows.setflags(write=False)  # cached: shared by every run of this length
     return rows
+
+
+@functools.lru_cache(maxsize=4096)
+def _run_calls(host: Placement, stg: Placement, k: int, layers: int, max_pitch: int):
+    """(copies, pitched rows, 1-D copies) of one run of ``k`` slots that starts at byte 0 on both sides."""
+    tpl = _run_template(host, stg, k, layers)
+    tall, flat = split_copies(tpl, max_pitch)
+    tall.setflags(write=False)
+    flat.setflags(write=False)
+    return tpl, tall, flat
+
+
+def _shifted(rows: np.ndarray, host_off: int) -> np.ndarray:
+    out = rows.copy()
+    out[:, 0] += host_off
+    return out
 
 
 class _Chunks:
@@ -245,23 +295,26 @@ def _staging_slots(pl: Placement, n: int, layers: int, staging_bytes: int) -> in
 
 
 def mean_copy_bound(pl: Placement, host_idx: np.ndarray, layers: int, staging_bytes: int,
-                    max_pitch: int | None = None) -> float:
+                    max_pitch: int | None = None, runs: Runs | None = None) -> float:
     """An upper bound on :attr:`DMAPlan.mean_copy` of :func:`plan` for these arguments, from
     the run lengths alone (chunk edges, which only split runs further, are left out):
-    well under a millisecond where planning 32k scattered slots takes several."""
-    n = int(host_idx.size)
-    if not n:
+    well under a millisecond where planning 32k scattered slots takes several.
+    ``runs``: :meth:`Runs.of` ``host_idx``, if the caller has it. Remembered per run
+    lengths, so a transfer shaped like an earlier one costs no planning at all."""
+    return _bound(pl, runs or Runs.of(host_idx), layers, staging_bytes, max_pitch or MAX_PITCH)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bound(pl: Placement, runs: Runs, layers: int, staging_bytes: int, max_pitch: int) -> float:
+    if not runs.n:
         return 0.0
-    max_pitch = max_pitch or MAX_PITCH
-    stg = compact(pl, _staging_slots(pl, n, layers, staging_bytes), layers)
-    starts = run_starts(host_idx)
-    lengths, counts = np.unique(np.diff(np.append(starts, n)), return_counts=True)
+    stg = compact(pl, _staging_slots(pl, runs.n, layers, staging_bytes), layers)
     copies = 0
-    for k, c in zip(lengths.tolist(), counts.tolist()):
-        tpl = _run_template(pl, stg, int(k), layers)
+    for k, c in zip(runs.lengths, runs.counts):
+        tpl = _run_template(pl, stg, k, layers)
         tall = tall_rows(tpl, max_pitch)
         copies += c * (int(_engine_copies(tpl[tall]).sum()) + int(tpl[~tall, 3].sum()))
-    return n * layers * pl.item_bytes / copies
+    return runs.n * layers * pl.item_bytes / copies
 
 
 def plan(pl: Placement, host_idx: np.ndarray, layers: int, staging_bytes: int,
@@ -340,9 +393,14 @@ class ChunkedPlan(_Chunks):
     """
 
     def __init__(self, pl: Placement, host_idx: np.ndarray, layers: int, staging_bytes: int,
-                 max_pitch: int | None = None, ramp: int = 0):
-        # A copy: chunks are planned later, and the caller's index array may change by then.
-        self._pl, self._idx, self._layers = pl, np.array(host_idx, dtype=np.int64), layers
+                 max_pitch: int | None = None, ramp: int = 0, runs: Runs | None = None):
+        runs = runs or Runs.of(host_idx)
+        self._pl, self._layers = pl, layers
+        # One run (allocator slots): chunk i's copies are its length's template moved to where
+        # it starts, from the first slot alone. Else a copy of the slots: chunks are planned
+        # later, and the caller's index array may change by then.
+        self._first = int(host_idx[0]) if runs.single else None
+        self._idx = None if runs.single else np.array(host_idx, dtype=np.int64)
         self._max_pitch = max_pitch or MAX_PITCH
         self.staging, self.slots, self.bounds = _layout(pl, host_idx, layers, staging_bytes, ramp)
         self.n_items = int(host_idx.size)
@@ -350,7 +408,12 @@ class ChunkedPlan(_Chunks):
         self._whole: DMAPlan | None = None
 
     def _chunk_calls(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if i not in self._calls:
+        if i not in self._calls and self._first is not None:
+            j0, m = self.items(i)
+            h0 = self._pl.offset(self._first + j0, 0)
+            self._calls[i] = tuple(_shifted(a, h0) for a in _run_calls(self._pl, self.staging, m, self._layers,
+                                                                       self._max_pitch))
+        elif i not in self._calls:
             j0, m = self.items(i)
             copies, _ = _copies(self._pl, self.staging, self._idx[j0:j0 + m], np.array([0, m]), self._layers)
             self._calls[i] = (copies, *split_copies(copies, self._max_pitch))
@@ -471,12 +534,15 @@ class GroupedPlan:
 
 
 def grouped_plan(pl: Placement, host_idx: np.ndarray, group: int, staging_bytes: int,
-                 max_pitch: int | None = None, chunked: bool = False) -> GroupedPlan:
+                 max_pitch: int | None = None, chunked: bool = False, runs: Runs | None = None) -> GroupedPlan:
     """Plans for a load in groups of ``group`` layers (and the shorter last group);
-    ``chunked``: each planned a chunk at a time (:class:`ChunkedPlan`)."""
+    ``chunked``: each planned a chunk at a time (:class:`ChunkedPlan`; ``runs`` as there)."""
     sizes = sorted({group, pl.layer_num % group or group})
-    make = ChunkedPlan if chunked else plan
-    return GroupedPlan(group, pl.layer_num, {n: make(pl, host_idx, n, staging_bytes, max_pitch) for n in sizes})
+    if chunked:
+        plans = {n: ChunkedPlan(pl, host_idx, n, staging_bytes, max_pitch, runs=runs) for n in sizes}
+    else:
+        plans = {n: plan(pl, host_idx, n, staging_bytes, max_pitch) for n in sizes}
+    return GroupedPlan(group, pl.layer_num, plans)
 
 
 # cudaMemcpy2D refuses pitches past the device's memPitch (2^31 - 1 on current GPUs).

@@ -22,17 +22,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .dma_plan import run_class
+from .dma_plan import Runs, run_class
 
 
 DUPLEX = "duplex"
 
 
-def shape_key(to_host: bool, parts, host_np: np.ndarray, nbytes: int) -> tuple:
-    """What makes one transfer behave like another for backend choice."""
+def shape_key(to_host: bool, parts, host_np: np.ndarray, nbytes: int, runs: Runs | None = None) -> tuple:
+    """What makes one transfer behave like another for backend choice (``runs``: :meth:`Runs.of`
+    ``host_np``, if the caller has it)."""
     geometry = tuple((p.host.page_size, p.host.token, p.host.chunk_bytes, p.host.n_chunks, p.item_bytes)
                      for p in parts)
-    return (to_host, geometry, int(math.log2(max(nbytes, 1))), run_class(host_np))
+    return (to_host, geometry, int(math.log2(max(nbytes, 1))), run_class(host_np, runs))
 
 
 @dataclass

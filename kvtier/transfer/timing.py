@@ -6,8 +6,9 @@ import numpy as np
 import torch
 
 
-def event_seconds(fn, reps: int = 3) -> float:
-    """Median device time of ``fn`` (which queues work on the current stream), after one warm-up call.
+def event_seconds(fn, reps: int = 3, best: bool = False) -> float:
+    """Median device time of ``fn`` (which queues work on the current stream), after one warm-up call;
+    ``best``: the shortest instead (what ``fn`` can do, when other work may disturb a sample).
 
     Blocks the host until each timed call's work is done.
     """
@@ -20,4 +21,4 @@ def event_seconds(fn, reps: int = 3) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-    return float(np.median(times))
+    return float(min(times) if best else np.median(times))
