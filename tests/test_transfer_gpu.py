@@ -403,9 +403,10 @@ def test_a_backup_and_a_load_issued_back_to_back_move_the_right_bytes(backend, b
     host.close()
 
 
-def test_an_error_while_a_backup_is_queued_in_the_background_reaches_its_handle():
-    """Staging that cannot be allocated fails inside the engine's thread: the handle raises
-    it, and a load of the same slots issued after it still runs (it waits without raising)."""
+def test_an_error_while_a_backup_is_queued_reaches_its_handle():
+    """Staging that cannot be allocated fails while the first chunk is queued (in the caller's
+    thread): the handle raises it, as it would from the background thread, and a load of the
+    same slots issued after it still runs (it waits without raising)."""
     from kvtier.transfer.dma import DMABackend, DMAConfig
     spec = SPECS["mha_odd"]
     dev, host = _pools(spec, 1, "layer_first", tokens=1024)
@@ -422,4 +423,33 @@ def test_an_error_while_a_backup_is_queued_in_the_background_reaches_its_handle(
     eng.load(h, h).synchronize()   # ordered after the failed backup of the same slots: no raise
     for k, st in dev.stacks.items():
         assert torch.equal(_b(st[:, :512]), _b(before[k]))
+    host.close()
+
+
+def test_an_error_in_the_background_thread_reaches_its_handle_and_the_head_chunk_lands():
+    """The first chunk is queued in the caller's thread, the rest by the engine's thread: a
+    failure there is raised by the handle, and the bytes of the first chunk are on the host."""
+    from kvtier.transfer.dma import DMABackend, DMAConfig
+
+    class FailsAfterTheFirstChunk(DMABackend):
+        def _backup_chunks(self, ring, cur, part, p, ptrs, d, host_base, chunks):
+            if chunks.start > 0:
+                raise RuntimeError("chunk after the first")
+            super()._backup_chunks(ring, cur, part, p, ptrs, d, host_base, chunks)
+    spec = SPECS["mha_odd"]
+    dev, host = _pools(spec, 1, "layer_first", tokens=1024)
+    eng = TransferEngine(host, "dma")
+    eng.backend = FailsAfterTheFirstChunk(DMAConfig(staging_bytes=64 << 10, buffers=2, kernel_below=0))
+    h, d = torch.arange(100, 612), torch.arange(512)
+    plan = eng.backend.plan_part(host.transfer_parts()[0], h.numpy(), True)
+    assert plan.n_chunks > 2
+    first = plan.items(0)[1]
+    hd = eng.backup(h, d)
+    with pytest.raises(RuntimeError, match="chunk after the first"):
+        hd.synchronize()
+    ref = host_pool_for(dev, "layer_first", host_size_tokens=host.size)
+    ref.backup_from_device_all_layer(dev, h[:first], d[:first], "direct")
+    for slot in h[:first].tolist():   # page size 1: a page is one token, every layer
+        assert torch.equal(host.get_data_page(slot), ref.get_data_page(slot)), slot
+    ref.close()
     host.close()

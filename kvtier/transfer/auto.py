@@ -242,4 +242,12 @@ class AutoBackend(Backend):
                 end.record(torch.cuda.current_stream(device))
                 self.timings.close(timing, state["bytes"], end)
             self.last_blocks = self.dma.last_blocks
+
+        def head():
+            try:
+                inner.head()
+            except BaseException:
+                self.timings.drop(timing)
+                raise
+        run.head = head
         return run

@@ -266,25 +266,39 @@ class DMABackend(Backend):
         joined = [False]  # a load's copy stream joins the caller's stream once per transfer
         if any(isinstance(p, GroupedPlan) for p in plans):
             self.last_groups = [p.group if isinstance(p, GroupedPlan) else 1 for p in plans]
+        # A backup's first chunk queued ahead by ``head`` (part index), so ``run`` skips it.
+        ahead = [None]
 
         def run(layer):
             used = 0
-            for part, p in zip(parts, plans):
+            for k, (part, p) in enumerate(zip(parts, plans)):
                 if p is None:
                     used = max(used, self.fallback.copy_part(part, h, d, layer, blocks))
                     continue
                 if layer is None:
-                    self.run_part(part, p, d, None)
+                    self.run_part(part, p, d, None, first=1 if ahead[0] == k else 0)
                 elif n := p.issue_at(layer):  # 0: moved with its group's first layer
                     self.run_part(part, p.plans[n], d, layer, join=not joined[0], n_layers=n)
                     joined[0] = True
                 used = max(used, self.config.gather_blocks)
             self.last_blocks = used
+
+        def head() -> None:
+            """Queue a backup's first chunk now; ``run(None)`` then queues the rest. The engine
+            calls it in the caller's thread, so the copy engine starts without waiting for the
+            hand-off to its background thread (about 0.5 ms on an H200, run 24 timeline)."""
+            for k, (part, p) in enumerate(zip(parts, plans)):
+                if p is not None and not isinstance(p, GroupedPlan) and p.n_chunks and ahead[0] is None:
+                    self.run_part(part, p, d, None, stop=1)
+                    ahead[0] = k
+                    return
+        run.head = head
         return run
 
     def run_part(self, part: TransferPart, p: DMAPlan | ChunkedPlan, d: torch.Tensor, layer: int | None, join: bool = True,
-                 n_layers: int = 1) -> None:
+                 n_layers: int = 1, first: int = 0, stop: int | None = None) -> None:
         """Queue one part: all layers (``layer=None``) or layers ``layer .. layer+n_layers-1``.
+        A backup may be queued in pieces: chunks ``first`` up to ``stop`` (default: the last).
 
         Backup: gather on the side stream, copy on the caller's. Load: copies
         on the side stream, scatters on the caller's, so the copy engine runs
@@ -307,15 +321,16 @@ class DMABackend(Backend):
                 # stream): entering the side stream once, not per chunk, saves the host
                 # ~25 us a chunk (H200 profile, bench/results/probe_host_profile_h200*).
                 with torch.cuda.stream(ring.side):
-                    self._backup_chunks(ring, cur, part, p, ptrs, d, host_base)
+                    self._backup_chunks(ring, cur, part, p, ptrs, d, host_base,
+                                        range(first, p.n_chunks if stop is None else stop))
             else:
                 self._load_chunks(ring, cur, part, p, ptrs, d, host_base, layer, n_layers)
 
-    def _backup_chunks(self, ring, cur, part, p, ptrs, d, host_base) -> None:
-        """Gather each chunk on the side stream (current here), then copy it to the host on ``cur``.
-        The gather needs no copies: it runs while the host plans the chunk's."""
+    def _backup_chunks(self, ring, cur, part, p, ptrs, d, host_base, chunks: range) -> None:
+        """Gather each of ``chunks`` on the side stream (current here), then copy it to the host on
+        ``cur``. The gather needs no copies: it runs while the host plans the chunk's."""
         wp = None  # the same for every staging buffer (all 256-byte aligned): worked out once
-        for i in range(p.n_chunks):
+        for i in chunks:
             j0, m = p.items(i)
             slot = ring.take(p.staging_bytes)
             wp = wp or WordPlan.for_copy(p.staging, slot.buf, part.device_layers)

@@ -185,8 +185,9 @@ class TransferEngine:
     ``block_quota`` bounds the SMs a zero-copy transfer may occupy.
 
     ``background_backups`` (CUDA): a backup is checked, ordered and planned
-    in the caller's thread, and its copies are then queued by one background
-    thread (in order, one backup after another). Queueing a 4 GiB backup
+    in the caller's thread (which also queues its first chunk when no earlier
+    backup is still being queued), and its other copies are then queued by one
+    background thread (in order, one backup after another). Queueing a 4 GiB backup
     takes the host 8-10 ms per part (H200, ``probe_host_timeline_h200.json``):
     inline, a load issued right after it started only once that was done.
     ``False`` queues everything in the caller's thread before returning.
@@ -210,6 +211,7 @@ class TransferEngine:
         self._inflight: list[_InFlight] = []
         self.background_backups = background_backups
         self._issuer: ThreadPoolExecutor | None = None
+        self._last_queued: Future | None = None  # the latest backup handed to the thread
         self._loading = 0  # loads being prepared now: the background thread gives way to them
         self._give_way = threading.Condition()
         if self.device.type == "cuda":
@@ -265,10 +267,17 @@ class TransferEngine:
             if to_host:
                 run = self._runner(parts, h, d, to_host, h_np)
                 event = torch.cuda.Event()
+                queued = None
                 if self.background_backups:
-                    queued = self._issue_thread().submit(self._queue_backup, stream, run, event)
+                    # The first chunk now, unless an earlier backup is still being queued (the
+                    # thread queues backups in order: a later one's chunk must not pass it).
+                    head = getattr(run, "head", None)
+                    if head is not None and (self._last_queued is None or self._last_queued.done()):
+                        queued = _queue_head(stream, head, event)
+                    if queued is None:
+                        queued = self._last_queued = self._issue_thread().submit(self._queue_backup, stream,
+                                                                                 run, event)
                 else:
-                    queued = None
                     _queue_backup(stream, run, event)
                 handle = TransferHandle(nbytes, event, keep=(h, d, run), queued=queued)
             else:
@@ -333,6 +342,20 @@ class TransferEngine:
             if f.to_host != to_host and f.overlaps(h_np, d_np):
                 # A failed backup's event still follows whatever it queued: wait, do not raise.
                 f.handle.wait(stream, raise_error=False)
+
+
+def _queue_head(stream, head, event) -> Future | None:
+    """Queue a backup's first chunk in the caller's thread. None if that went well; else a
+    failed future, with ``event`` recorded after whatever was queued, so the error reaches
+    the handle as it would from the background thread."""
+    try:
+        head()
+        return None
+    except Exception as err:  # noqa: BLE001 - handed to the handle, raised by done/wait/synchronize
+        event.record(stream)
+        failed: Future = Future()
+        failed.set_exception(err)
+        return failed
 
 
 def _queue_backup(stream, run, event) -> None:
