@@ -9,6 +9,7 @@ is checked under the Triton interpreter (tests/interpret_cases.py).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -260,3 +261,23 @@ def test_dma_config_rejects_bad_values_by_name(bad):
     from kvtier.transfer.dma import DMAConfig
     with pytest.raises(ValueError, match=next(iter(bad))):
         DMAConfig(**bad)
+
+
+@given(offsets=st.lists(st.integers(0, 4096), min_size=1, max_size=40), buf_off=st.integers(0, 64),
+       layout=st.sampled_from(["layer_first", "page_first", "page_head"]), ps=st.sampled_from([1, 16]))
+def test_word_plan_from_the_cached_layer_gcd_is_the_plan_from_every_address(offsets, buf_off, layout, ps):
+    """The kernels' word size from the part's remembered address gcd equals the one from a
+    pass over every layer's address: a wrong one would move misaligned words."""
+    pytest.importorskip("triton")
+    from kvtier.transfer.triton_kernels import WordPlan, layers_gcd
+    mem = torch.zeros(8192, dtype=torch.uint8)
+    layers = [mem[o:o + 16] for o in offsets]
+    pl = LAYOUTS[layout].placement(MHA.components[0], 4, 64, ps)
+    buf = mem[buf_off:]
+    g = 0
+    for v in (pl.page, pl.token, pl.layer_stride, pl.chunk, pl.chunk_bytes, pl.item_bytes, buf.data_ptr(),
+              *(t.data_ptr() for t in layers)):
+        g = math.gcd(g, v)
+    word = next(w for w in (8, 4, 2, 1) if g % w == 0)
+    want = WordPlan(word, 16 // word if g % 16 == 0 else 1)
+    assert WordPlan.for_copy(pl, buf, layers, layers_gcd(layers)) == want == WordPlan.for_copy(pl, buf, layers)

@@ -38,7 +38,7 @@ from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, Runs, 
                        grouped_plan, mean_copy_bound, narrow_layer_rows, run_class)
 from .kernel import KernelBackend, PartTables, check_mapped, host_numpy, on_device
 from .timing import event_seconds
-from .triton_kernels import WordPlan, copy_items
+from .triton_kernels import copy_items
 from ..validate import require_positive_int
 
 MiB = 1 << 20
@@ -333,7 +333,7 @@ class DMABackend(Backend):
         for i in chunks:
             j0, m = p.items(i)
             slot = ring.take(p.staging_bytes)
-            wp = wp or WordPlan.for_copy(p.staging, slot.buf, part.device_layers)
+            wp = wp or self.tables.words(part, p.staging, slot.buf)
             ring.side.wait_event(slot.free)
             copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, 0, part.layer_num,
                        True, self.config.gather_blocks, wp)
@@ -350,7 +350,7 @@ class DMABackend(Backend):
         for i in range(p.n_chunks):
             j0, m = p.items(i)
             slot = ring.take(p.staging_bytes)
-            wp = wp or WordPlan.for_copy(p.staging, slot.buf, part.device_layers)
+            wp = wp or self.tables.words(part, p.staging, slot.buf)
             tall, flat = p.calls(i)
             ring.side.wait_event(slot.free)
             _issue(tall, flat, host_base, slot.buf.data_ptr(), False, ring.side.cuda_stream, self.config.batch_min)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from .base import Backend, TransferPart
-from .triton_kernels import copy_items, fetch_index, interpreting, layer_ptr_table
+from ..layouts import Placement
+from .triton_kernels import WordPlan, copy_items, fetch_index, interpreting, layer_ptr_table, layers_gcd
 from ..validate import require_positive_int
 
 # Blocks a transfer may occupy when the caller names no quota. Measured on an
@@ -31,17 +32,29 @@ class KernelConfig:
 
 
 class PartTables:
-    """Per-part device pointer tables, built once and kept with the part alive."""
+    """Per-part device pointer tables and the gcd of those pointers, built once and kept with the
+    part alive."""
 
     def __init__(self):
-        self._tables: dict[int, tuple[TransferPart, torch.Tensor]] = {}
+        self._tables: dict[int, tuple[TransferPart, torch.Tensor, int]] = {}
 
-    def get(self, part: TransferPart, device: torch.device) -> torch.Tensor:
+    def _hit(self, part: TransferPart, device: torch.device):
         hit = self._tables.get(id(part))
         if hit is None or hit[0] is not part:
-            hit = (part, layer_ptr_table(part.device_layers, device))
+            hit = (part, layer_ptr_table(part.device_layers, device), layers_gcd(part.device_layers))
             self._tables[id(part)] = hit
-        return hit[1]
+        return hit
+
+    def get(self, part: TransferPart, device: torch.device) -> torch.Tensor:
+        return self._hit(part, device)[1]
+
+    def gcd(self, part: TransferPart, device: torch.device) -> int:
+        """The gcd of the part's device layer addresses (what :meth:`WordPlan.for_copy` needs)."""
+        return self._hit(part, device)[2]
+
+    def words(self, part: TransferPart, pl: Placement, buf: torch.Tensor) -> WordPlan:
+        """The word plan for a copy between ``part``'s device layers and ``buf`` placed by ``pl``."""
+        return WordPlan.for_copy(pl, buf, part.device_layers, self.gcd(part, part.device_layers[0].device))
 
 
 def on_device(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -115,6 +128,7 @@ class KernelBackend(Backend):
         pl = part.host
         if layer is None:
             return copy_items(pl, part.host_raw, part.device_layers, ptrs, h, d, 0, h.numel(), 0,
-                              part.layer_num, True, blocks)
+                              part.layer_num, True, blocks, self.tables.words(part, pl, part.host_raw))
         buf = part.host_raw[layer * pl.layer_stride:]
-        return copy_items(pl, buf, part.device_layers, ptrs, h, d, 0, h.numel(), layer, 1, False, blocks)
+        return copy_items(pl, buf, part.device_layers, ptrs, h, d, 0, h.numel(), layer, 1, False, blocks,
+                          self.tables.words(part, pl, buf))

@@ -123,15 +123,24 @@ class WordPlan:
     vec: int       # words per 16-byte vector that every offset is a multiple of
 
     @staticmethod
-    def for_copy(pl: Placement, buf: torch.Tensor, dev_layers) -> "WordPlan":
-        g = 0
-        for v in (pl.page, pl.token, pl.layer_stride, pl.chunk, pl.chunk_bytes, pl.item_bytes,
-                  buf.data_ptr(), *(t.data_ptr() for t in dev_layers)):
+    def for_copy(pl: Placement, buf: torch.Tensor, dev_layers, dev_gcd: int | None = None) -> "WordPlan":
+        """``dev_gcd``: the gcd of the device layers' addresses, if the caller has it
+        (:meth:`PartTables.gcd`): a pass over 32-78 layers' addresses per call otherwise."""
+        g = layers_gcd(dev_layers) if dev_gcd is None else dev_gcd
+        for v in (pl.page, pl.token, pl.layer_stride, pl.chunk, pl.chunk_bytes, pl.item_bytes, buf.data_ptr()):
             g = math.gcd(g, int(v))
         g = g or 16
         word = next(w for w in (8, 4, 2, 1) if g % w == 0)
         vec = 16 // word if g % 16 == 0 else 1
         return WordPlan(word, vec)
+
+
+def layers_gcd(dev_layers) -> int:
+    """The gcd of the device layers' addresses (0 for none)."""
+    g = 0
+    for t in dev_layers:
+        g = math.gcd(g, t.data_ptr())
+    return g
 
 
 def row_order(pl: Placement, n_layers: int) -> int:
