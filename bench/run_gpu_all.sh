@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for everything that needs the GPU: every `gpu` test, the transfer
-# benchmark (all kinds), the TTFT benchmark, and optionally one probe (PROBE=name of a
-# script in bench/probes, PROBE_S its time box). Each step is time-boxed and writes
+# benchmark (all kinds), the TTFT benchmark, and optionally probes (PROBE=names of scripts
+# in bench/probes, space-separated; PROBE_S the time box of each). Each step is time-boxed and writes
 # under $OUT as it goes, so a step that runs long still leaves the others' results.
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KVTIER_HOST_RESERVE_GB=4
@@ -23,7 +23,7 @@ echo "bench transfer rc=$?"; grep -v '%|' "$OUT/transfer.err" | tail -3; }
 timeout "${TTFT_S:-90}" python -m kvtier.cli bench ttft --io-backends default,kernel \
   --json "$OUT/ttft_h200.json" > "$OUT/ttft.log" 2>&1
 echo "bench ttft rc=$?"; tail -12 "$OUT/ttft.log"; }
-[ -n "${PROBE:-}" ] && {
-timeout "${PROBE_S:-150}" python "bench/probes/$PROBE.py" "$OUT/probe_${PROBE}_h200.json" > "$OUT/probe.log" 2>&1
-echo "probe $PROBE rc=$?"; tail -5 "$OUT/probe.log"; }
+for P in ${PROBE:-}; do  # PROBE may name several, each time-boxed by PROBE_S
+timeout "${PROBE_S:-150}" python "bench/probes/$P.py" "$OUT/probe_${P}_h200.json" > "$OUT/probe_$P.log" 2>&1
+echo "probe $P rc=$?"; tail -5 "$OUT/probe_$P.log"; done
 true
