@@ -3,20 +3,23 @@
 # benchmark (all kinds), the TTFT benchmark, and optionally probes (PROBE=names of scripts
 # in bench/probes, space-separated; PROBE_S the time box of each). Each step is time-boxed and writes
 # under $OUT as it goes, so a step that runs long still leaves the others' results.
+# At most 8 files come back from the device: gpu_tests.log (machine facts first),
+# transfer.log, transfer.err, transfer_h200.json, probes.log and one JSON per probe
+# (the plot is drawn here from the JSON: bench/acceptance.py --plot).
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KVTIER_HOST_RESERVE_GB=4
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,pcie.link.gen.current,pcie.link.width.current --format=csv > "$OUT/gpu.txt"
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,pcie.link.gen.current,pcie.link.width.current --format=csv > "$OUT/gpu_tests.log"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu_tests.log"
 
-timeout "${TEST_S:-150}" python -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -p no:warnings ${TESTS:-} > "$OUT/gpu_tests.log" 2>&1
+timeout "${TEST_S:-150}" python -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -p no:warnings ${TESTS:-} >> "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
 
 # 32,768 tokens per transfer (4 GiB for the Llama-3-8B shape), as in shared/ANCHORS.md.
 [ "${BENCH_S:-420}" -gt 0 ] && {
 timeout "${BENCH_S:-420}" python -m kvtier.cli bench transfer --tokens "${TOKENS:-32768}" --reps 3 \
   --page-size 1 --page-size 64 ${KINDS:-} --backend kernel --backend dma --backend auto --verbose \
-  --json "$OUT/transfer_h200.json" --plot "$OUT/transfer_h200.png" > "$OUT/transfer.log" 2> "$OUT/transfer.err"
+  --json "$OUT/transfer_h200.json" > "$OUT/transfer.log" 2> "$OUT/transfer.err"
 echo "bench transfer rc=$?"; grep -v '%|' "$OUT/transfer.err" | tail -3; }
 
 [ "${TTFT_S:-90}" -gt 0 ] && {
@@ -24,6 +27,7 @@ timeout "${TTFT_S:-90}" python -m kvtier.cli bench ttft --io-backends default,ke
   --json "$OUT/ttft_h200.json" > "$OUT/ttft.log" 2>&1
 echo "bench ttft rc=$?"; tail -12 "$OUT/ttft.log"; }
 for P in ${PROBE:-}; do  # PROBE may name several, each time-boxed by PROBE_S
-timeout "${PROBE_S:-150}" python "bench/probes/$P.py" "$OUT/probe_${P}_h200.json" > "$OUT/probe_$P.log" 2>&1
-echo "probe $P rc=$?"; tail -5 "$OUT/probe_$P.log"; done
+echo "== $P" >> "$OUT/probes.log"
+timeout "${PROBE_S:-150}" python "bench/probes/$P.py" "$OUT/probe_${P}_h200.json" > /tmp/probe.log 2>&1
+echo "probe $P rc=$?"; cat /tmp/probe.log >> "$OUT/probes.log"; tail -5 /tmp/probe.log; done
 true

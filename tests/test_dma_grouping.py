@@ -20,7 +20,7 @@ from kvtier.layouts import LAYOUTS
 from kvtier.spec import KVSpec
 from hypothesis import given, strategies as st
 
-from kvtier.transfer.dma_plan import (RAMP_DIV, ChunkedPlan, Runs, chunk_bounds, choose_group, group_sizes, grouped_plan,
+from kvtier.transfer.dma_plan import (RAMP_DIV, ChunkedPlan, Runs, host_order, chunk_bounds, choose_group, group_sizes, grouped_plan,
                                       mean_copy_bound, narrow_layer_rows, plan, split_copies)
 
 PROBE = json.loads((Path(__file__).parent.parent / "bench/results/probe_host_issue_h200.json").read_text())
@@ -254,7 +254,7 @@ def test_chunked_plan_keeps_its_own_copy_of_the_slots():
 
 @pytest.mark.parametrize("bad", [{"load_group": -1}, {"load_group": True}, {"load_group": 1.5},
                                  {"group_target": 0.0}, {"group_target": 1.5}, {"batch_min": 0},
-                                 {"kernel_below": -1}, {"kernel_below": 1.5},
+                                 {"kernel_below": -1}, {"kernel_below": 1.5}, {"sort_slots": 1},
                                  {"buffers": 1}])
 def test_dma_config_rejects_bad_values_by_name(bad):
     pytest.importorskip("triton")
@@ -281,3 +281,23 @@ def test_word_plan_from_the_cached_layer_gcd_is_the_plan_from_every_address(offs
     word = next(w for w in (8, 4, 2, 1) if g % w == 0)
     want = WordPlan(word, 16 // word if g % 16 == 0 else 1)
     assert WordPlan.for_copy(pl, buf, layers, layers_gcd(layers)) == want == WordPlan.for_copy(pl, buf, layers)
+
+
+@given(n_pages=st.integers(0, 60), ps=st.sampled_from([1, 4, 64]), seed=st.integers(0, 2**16),
+       whole=st.booleans())
+def test_host_order_sorts_slots_and_keeps_pages_whole(n_pages, ps, seed, whole):
+    """host_order: a permutation that sorts the host slots; whole pages move as a block, in
+    order; slots already ascending need none."""
+    rng = np.random.default_rng(seed)
+    pages = rng.permutation(128)[:n_pages]
+    host = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
+    if not whole and host.size:
+        host = rng.permutation(host)
+    order = host_order(host, ps)
+    if host.size < 2 or (np.diff(host) > 0).all():
+        assert order is None
+        return
+    assert sorted(order.tolist()) == list(range(host.size))
+    assert (np.diff(host[order]) > 0).all()
+    if whole:   # each page's slots stay in their order, next to each other
+        assert (order.reshape(-1, ps) // ps == (order.reshape(-1, ps)[:, :1] // ps)).all()

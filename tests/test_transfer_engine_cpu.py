@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from hypothesis import given
-from hypothesis import strategies as st
 
 from kvtier.cli import main
 from kvtier.device_pool import pool_from_spec
@@ -62,29 +60,6 @@ def test_engine_rejects_a_background_flag_that_is_not_a_bool():
     host = host_pool_for(pool_from_spec(spec, 32, 1, "cpu"), "layer_first", host_size_tokens=32)
     with pytest.raises(ValueError, match="background_backups must be True or False, got 'yes'"):
         TransferEngine(host, background_backups="yes")
-    with pytest.raises(ValueError, match="sort_slots must be True or False, got 1"):
-        TransferEngine(host, sort_slots=1)
-
-
-@given(n_pages=st.integers(0, 60), ps=st.sampled_from([1, 4, 64]), seed=st.integers(0, 2**16),
-       whole=st.booleans())
-def test_host_order_sorts_slots_and_keeps_pages_whole(n_pages, ps, seed, whole):
-    """host_order: a permutation that sorts the host slots; whole pages move as a block, in
-    order; slots already ascending need none."""
-    from kvtier.transfer.engine import host_order
-    rng = np.random.default_rng(seed)
-    pages = rng.permutation(128)[:n_pages]
-    host = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
-    if not whole and host.size:
-        host = rng.permutation(host)
-    order = host_order(host, ps)
-    if host.size < 2 or (np.diff(host) > 0).all():
-        assert order is None
-        return
-    assert sorted(order.tolist()) == list(range(host.size))
-    assert (np.diff(host[order]) > 0).all()
-    if whole:   # each page's slots stay in their order, next to each other
-        assert (order.reshape(-1, ps) // ps == (order.reshape(-1, ps)[:, :1] // ps)).all()
 
 
 def test_a_handle_whose_background_queueing_failed_raises_it_but_still_orders_others():

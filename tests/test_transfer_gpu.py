@@ -64,16 +64,23 @@ def test_round_trip_matches_direct(backend, name, layout, ps, idx_device):
     spec = SPECS[name]
     rng = np.random.default_rng(hash((backend, name, layout, ps, idx_device)) % 2**32)
     dev, host = _pools(spec, ps, layout)
+    _round_trip_matches_direct(TransferEngine(host, backend), dev, host, layout, ps, idx_device, rng)
+
+
+def _round_trip_matches_direct(eng, dev, host, layout, ps, idx_device, rng, contiguous=None):
+    """Back scattered (or, at random, consecutive) device pages up to host pages with ``eng``,
+    compare the host bytes with the direct backend's, load them into other device pages and
+    compare those with the source: every byte, and nothing else written."""
     ref_host = host_pool_for(dev, layout, host_size_tokens=host.size)
     n_pages = 96 // ps if ps > 1 else 77
-    h = _pages(rng, host.page_num, n_pages, ps, contiguous=rng.random() < 0.5)
+    contiguous = rng.random() < 0.5 if contiguous is None else contiguous
+    h = _pages(rng, host.page_num, n_pages, ps, contiguous=contiguous)
     d = _pages(rng, dev.size // ps, n_pages, ps)
     for hp in (host, ref_host):
         for c in hp.component_tensors:
             hp.raw_bytes(c).fill_(0xA5)
     ref_host.backup_from_device_all_layer(dev, h, d, "direct")
     before = {k: v.clone() for k, v in dev.stacks.items()}
-    eng = TransferEngine(host, backend)
     eng.backup(h.to(idx_device), d.to(idx_device)).synchronize()
     for c in host.component_tensors:
         assert torch.equal(host.raw_bytes(c), ref_host.raw_bytes(c)), c  # written exactly, nothing else
@@ -84,7 +91,7 @@ def test_round_trip_matches_direct(backend, name, layout, ps, idx_device):
     d2 = torch.from_numpy((rng.permutation(free)[:n_pages, None] * ps + np.arange(ps)).reshape(-1))
     ld = eng.load(h.to(idx_device), d2.to(idx_device))
     ld.synchronize()
-    assert ld.done() and all(ld.layer_done(i) for i in range(spec.layer_num))
+    assert ld.done() and all(ld.layer_done(i) for i in range(host.layer_num))
     untouched = np.setdiff1d(np.arange(dev.size), d2.numpy())
     for k, st in dev.stacks.items():
         keep = torch.from_numpy(untouched).cuda()
@@ -92,6 +99,34 @@ def test_round_trip_matches_direct(backend, name, layout, ps, idx_device):
         assert torch.equal(_b(st[:, keep]), _b(before[k][:, keep]))
     host.close()
     ref_host.close()
+
+
+@pytest.mark.parametrize("sort_slots", [True, False])
+@pytest.mark.parametrize("mode", ["every part by dma", "parts split", "every part by kernel"])
+@pytest.mark.parametrize("name,layout,ps", [("mha_odd", "page_first", 1), ("mha_fp8", "page_head", 16),
+                                            ("dsa", "layer_first", 1), ("dsa", "layer_first", 16),
+                                            ("mla_fp8_656", "page_first", 16)])
+@pytest.mark.parametrize("idx_device", ["cpu", "cuda"])
+def test_dma_parts_in_host_order_and_kernel_parts_in_the_callers_match_direct(sort_slots, mode, name, layout, ps,
+                                                                              idx_device):
+    """The DMA backend moves its parts' slot pairs in host-slot order and sends parts with
+    short copies through the kernel in the caller's order: with scattered host pages, in
+    either order, every byte is where the direct backend puts it."""
+    from kvtier.transfer.dma import DMABackend, DMAConfig
+    from kvtier.transfer.dma_plan import mean_copy_bound
+    spec = SPECS[name]
+    rng = np.random.default_rng(hash((sort_slots, mode, name, layout, ps, idx_device)) % 2**32)
+    dev, host = _pools(spec, ps, layout)
+    parts = host.transfer_parts()
+    scattered = np.sort(_pages(rng, host.page_num, 96 // ps if ps > 1 else 77, ps).numpy())
+    bounds = sorted({mean_copy_bound(p.host, scattered, p.layer_num, DMAConfig().staging_bytes) for p in parts})
+    if mode == "parts split" and len(bounds) < 2:
+        pytest.skip("every part copies alike: nothing to split")
+    kernel_below = {"every part by dma": 0, "every part by kernel": 1 << 40,
+                    "parts split": int((bounds[0] + bounds[-1]) / 2)}[mode]
+    eng = TransferEngine(host, "dma")
+    eng.backend = DMABackend(DMAConfig(kernel_below=kernel_below, sort_slots=sort_slots))
+    _round_trip_matches_direct(eng, dev, host, layout, ps, idx_device, rng, contiguous=False)
 
 
 def test_three_streams_stress():
@@ -449,7 +484,11 @@ def test_an_error_in_the_background_thread_reaches_its_handle_and_the_head_chunk
         hd.synchronize()
     ref = host_pool_for(dev, "layer_first", host_size_tokens=host.size)
     ref.backup_from_device_all_layer(dev, h[:first], d[:first], "direct")
-    for slot in h[:first].tolist():   # page size 1: a page is one token, every layer
-        assert torch.equal(host.get_data_page(slot), ref.get_data_page(slot)), slot
+    part = host.transfer_parts()[0]   # the part whose first chunk went ahead (the others never ran)
+    got, want, pl = host.raw_bytes(part.name), ref.raw_bytes(part.name), part.host
+    for layer in range(spec.layer_num):
+        for slot in h[:first].tolist():
+            at = pl.offset(slot, layer)
+            assert torch.equal(got[at:at + pl.item_bytes], want[at:at + pl.item_bytes]), (layer, slot)
     ref.close()
     host.close()

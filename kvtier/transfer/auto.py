@@ -209,8 +209,16 @@ class AutoBackend(Backend):
         self.timings.harvest(self.chooser)
         key = base + (DUPLEX,) if self.timings.sharing(to_host) else base
         candidates = self._candidates.get(base)
+        dma_pairs = []  # the slot pairs in the DMA backend's order, worked out if DMA needs them
+
+        def for_dma():
+            if not dma_pairs:
+                s_np, s_h, s_d = self.dma.in_host_order(parts, host_np, host_idx, dev_idx)
+                dma_pairs.extend((s_np, s_h, s_d, runs if s_np is host_np else Runs.of(s_np)))
+            return dma_pairs
         if candidates is None:  # first transfer of this shape: rank by the prior
-            ranking = [self.dma.plan_part(p, host_np, to_host, whole, runs) for p in parts]
+            s_np, _, _, s_runs = for_dma()
+            ranking = [self.dma.plan_part(p, s_np, to_host, whole, s_runs) for p in parts]
             candidates = self._candidates[base] = self.ranked(parts, ranking, host_np.size, to_host)
             # Ranking plans every chunk up front (5-15 ms for 32k scattered slots), once per
             # shape: the sample starts after it, and the transfer plans afresh, as later ones
@@ -221,10 +229,14 @@ class AutoBackend(Backend):
         choice = self.chooser.pick(key, candidates, not self._dma_able.get(not to_host, True))
         self.picks[("backup" if to_host else "load", choice)] += 1
         # DMA plans are made only for DMA (chunk by chunk as the chunks are queued).
-        plans = ([self.dma.plan_part(p, host_np, to_host, whole, runs) for p in parts] if choice == "dma"
-                 else [None] * len(parts))
+        if choice == "dma":
+            s_np, s_h, s_d, s_runs = for_dma()
+            plans = [self.dma.plan_part(p, s_np, to_host, whole, s_runs) for p in parts]
+            inner = self.dma.runner(parts, plans, s_h, s_d, block_quota, kernel_idx=(host_idx, dev_idx))
+        else:
+            plans = [None] * len(parts)
+            inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota)
         self.last_choice = ["kernel" if p is None else "dma" for p in plans]
-        inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota)
         state = {"bytes": 0}
         # In flight from now: a backup's copies may be queued later, by the engine's
         # background thread, after the load that follows it asked whether it shares the link.

@@ -35,7 +35,7 @@ import torch
 from .base import Backend, TransferPart, between_chunks
 from .cudart import has_batch, memcpy2d, memcpy_batch
 from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, Runs, choose_group, dma_capable,
-                       grouped_plan, mean_copy_bound, narrow_layer_rows, run_class)
+                       grouped_plan, host_order, mean_copy_bound, narrow_layer_rows, run_class)
 from .kernel import KernelBackend, PartTables, check_mapped, host_numpy, on_device
 from .timing import event_seconds
 from .triton_kernels import copy_items
@@ -70,7 +70,9 @@ class DMAConfig:
     KiB copies moved 8.8 GB/s host to device and 21 device to host, 2 KiB
     copies 2.6 and 5.4, 128 KiB copies 46-49; the kernel moved any row of
     256 B or more at 36-50 (``bench/results/probe_copy_paths_h200.json``).
-    0 keeps every part on the copy engines.
+    0 keeps every part on the copy engines. ``sort_slots``: move a transfer's
+    slot pairs in host-slot order (:func:`~.dma_plan.host_order`; parts that go
+    through the kernel keep the caller's order).
     """
 
     staging_bytes: int = 128 * MiB
@@ -80,10 +82,13 @@ class DMAConfig:
     group_target: float = 0.97
     batch_min: int = 8
     kernel_below: int = 32 * 1024
+    sort_slots: bool = True
 
     def __post_init__(self) -> None:
         for name in ("staging_bytes", "buffers", "gather_blocks", "batch_min"):
             require_positive_int(f"DMAConfig.{name}", getattr(self, name))
+        if not isinstance(self.sort_slots, bool):
+            raise ValueError(f"DMAConfig.sort_slots must be True or False, got {self.sort_slots!r}")
         if self.buffers < 2:
             raise ValueError(f"DMAConfig.buffers must be >= 2 so copies and kernels overlap, got {self.buffers}")
         if isinstance(self.load_group, bool) or not isinstance(self.load_group, int) or self.load_group < 0:
@@ -254,14 +259,31 @@ class DMABackend(Backend):
         for part in parts:
             check_mapped(part)
         host_np = host_numpy(host_idx) if host_np is None else host_np
-        runs = Runs.of(host_np)
-        plans = [self.plan_part(p, host_np, to_host, whole, runs) for p in parts]
-        return self.runner(parts, plans, host_idx, dev_idx, block_quota)
+        s_np, s_h, s_d = self.in_host_order(parts, host_np, host_idx, dev_idx)
+        runs = Runs.of(s_np)
+        plans = [self.plan_part(p, s_np, to_host, whole, runs) for p in parts]
+        return self.runner(parts, plans, s_h, s_d, block_quota, kernel_idx=(host_idx, dev_idx))
 
-    def runner(self, parts, plans, host_idx, dev_idx, block_quota=None):
+    def in_host_order(self, parts, host_np: np.ndarray, host_idx: torch.Tensor, dev_idx: torch.Tensor):
+        """``(host_np, host_idx, dev_idx)`` with the slot pairs in host-slot order
+        (:func:`~.dma_plan.host_order`, when ``DMAConfig.sort_slots``), or as given."""
+        order = host_order(host_np, parts[0].host.page_size) if self.config.sort_slots else None
+        if order is None:
+            return host_np, host_idx, dev_idx
+        sel = torch.from_numpy(order)
+        dev = dev_idx.to(torch.int64)
+        dev = dev[on_device(sel, dev.device)] if dev.device.type == "cuda" else dev[sel]
+        s_np = host_np[order]
+        return s_np, torch.from_numpy(s_np), dev
+
+    def runner(self, parts, plans, host_idx, dev_idx, block_quota=None, kernel_idx=None):
+        """``run(layer)`` for these plans (None: that part goes through the kernel, with the
+        slot pairs ``kernel_idx``, default ``host_idx, dev_idx``: the caller's order)."""
         device = parts[0].device_layers[0].device
         d = on_device(dev_idx, device)
-        h = on_device(host_idx, device) if any(p is None for p in plans) else None
+        k_h, k_d = kernel_idx or (host_idx, dev_idx)
+        h = on_device(k_h, device) if any(p is None for p in plans) else None
+        d_kernel = on_device(k_d, device) if h is not None and k_d is not dev_idx else d
         blocks = self.fallback._blocks(block_quota)
         joined = [False]  # a load's copy stream joins the caller's stream once per transfer
         if any(isinstance(p, GroupedPlan) for p in plans):
@@ -273,7 +295,7 @@ class DMABackend(Backend):
             used = 0
             for k, (part, p) in enumerate(zip(parts, plans)):
                 if p is None:
-                    used = max(used, self.fallback.copy_part(part, h, d, layer, blocks))
+                    used = max(used, self.fallback.copy_part(part, h, d_kernel, layer, blocks))
                     continue
                 if layer is None:
                     self.run_part(part, p, d, None, first=1 if ahead[0] == k else 0)

@@ -161,19 +161,6 @@ class _InFlight:
                     or (_meet(self.dev_span, _span(dev)) and np.isin(dev, self.dev, kind="table").any()))
 
 
-def host_order(host: np.ndarray, page_size: int) -> np.ndarray | None:
-    """The order that puts ``host`` slots in ascending order, whole pages kept together;
-    None when they already are (as an allocator hands them out)."""
-    if host.size < 2 or bool((host[1:] > host[:-1]).all()):
-        return None
-    if page_size > 1 and host.size % page_size == 0:
-        pages = host.reshape(-1, page_size)
-        if bool((pages[:, 0] % page_size == 0).all() and (np.diff(pages, axis=1) == 1).all()):
-            first = np.argsort(pages[:, 0], kind="stable")
-            return (first[:, None] * page_size + np.arange(page_size)).reshape(-1)
-    return np.argsort(host, kind="stable")
-
-
 def _span(x: np.ndarray) -> tuple[int, int] | None:
     return (int(x.min()), int(x.max())) if x.size else None
 
@@ -204,17 +191,10 @@ class TransferEngine:
     takes the host 8-10 ms per part (H200, ``probe_host_timeline_h200.json``):
     inline, a load issued right after it started only once that was done.
     ``False`` queues everything in the caller's thread before returning.
-
-    ``sort_slots`` (CUDA): a transfer's slot pairs are moved in the order of
-    their host slots (pages stay whole), so neighbouring host slots that
-    arrive apart become one run: longer, fewer copies, and the host memory
-    written or read in ascending order. Which pair moves first makes no
-    difference to what a transfer does, as the slots it writes are distinct
-    (every backend writes them in parallel). ``False``: the caller's order.
     """
 
     def __init__(self, host_pool, io_backend: str | None = None, *, block_quota: int | None = None,
-                 background_backups: bool = True, sort_slots: bool = True):
+                 background_backups: bool = True):
         self.host_pool = host_pool
         self.device_pool = host_pool.device_pool
         self.device = torch.device(getattr(self.device_pool, "device", "cpu"))
@@ -222,10 +202,8 @@ class TransferEngine:
             io_backend = "auto" if self.device.type == "cuda" else "direct"
         if block_quota is not None:
             require_positive_int("block_quota", block_quota)
-        for name, flag in (("background_backups", background_backups), ("sort_slots", sort_slots)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
-        self.sort_slots = sort_slots
+        if not isinstance(background_backups, bool):
+            raise ValueError(f"background_backups must be True or False, got {background_backups!r}")
         self.backend = get_backend(io_backend, self.device)
         self.io_backend = io_backend
         self.block_quota = block_quota
@@ -277,11 +255,6 @@ class TransferEngine:
     def _cuda(self, host_indices, device_indices, to_host: bool, nbytes: int):
         h, d, h_np, d_np = self.host_pool._check_indices(host_indices, device_indices, self.device_pool,
                                                          want_numpy=True)
-        if self.sort_slots:
-            order = host_order(h_np, self.host_pool.page_size)
-            if order is not None:
-                h_np, d_np = h_np[order], d_np[order]
-                h, d = torch.from_numpy(h_np), torch.from_numpy(d_np)
         parts = self.host_pool.transfer_parts()
         stream = self.backup_stream if to_host else self.load_stream
         producer = torch.cuda.current_stream(self.device)
