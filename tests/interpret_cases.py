@@ -23,7 +23,8 @@ triton = pytest.importorskip("triton")
 
 from kvtier.layouts import LAYOUTS, SUPPORTED  # noqa: E402
 from kvtier.spec import KVSpec  # noqa: E402
-from kvtier.transfer.dma_plan import compact, dma_capable, grouped_plan, plan  # noqa: E402
+from kvtier.transfer.dma_plan import (LayerChunkedPlan, compact, dma_capable, grouped_plan, layer_major,  # noqa: E402
+                                      plan)
 from kvtier.transfer.triton_kernels import copy_items, layer_ptr_table  # noqa: E402
 
 SPECS = [
@@ -98,6 +99,17 @@ def test_kernel_and_dma_plan_match_reference(case):
                 copy_items(p.staging, stg, layers, ptrs, None, dt, j0, m, 0, L, True, 8)
                 _memmove_copies(p, i, host2.data_ptr(), stg.data_ptr(), True)
             assert torch.equal(host2, ref)
+        # ... and in chunks of whole layers, every slot in each (layer-major layouts) ...
+        if layer_major(pl):
+            host3 = torch.full_like(ref, 0xA5)
+            lp = LayerChunkedPlan(pl, h, stage_kib * 1024, max_pitch, ramp=1)
+            stg = torch.empty(lp.staging_bytes, dtype=torch.uint8)
+            for i in range(lp.n_chunks):
+                j0, m = lp.items(i)
+                l0, nl = lp.layer_range(i)
+                copy_items(lp.staging, stg, layers, ptrs, None, dt, j0, m, l0, nl, True, 8)
+                _memmove_copies(lp, i, host3.data_ptr(), stg.data_ptr(), True)
+            assert torch.equal(host3, ref)
         # ... and per-layer loads back into a poisoned device, by kernel and by DMA
         # (``group`` adjacent layers per copy, issued at each group's first layer).
         for use_dma in (False, True):

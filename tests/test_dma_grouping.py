@@ -18,9 +18,10 @@ import torch
 
 from kvtier.layouts import LAYOUTS
 from kvtier.spec import KVSpec
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
-from kvtier.transfer.dma_plan import (RAMP_DIV, ChunkedPlan, Runs, host_order, chunk_bounds, choose_group, group_sizes, grouped_plan,
+from kvtier.transfer.dma_plan import (RAMP_DIV, ChunkedPlan, LayerChunkedPlan, Runs, chunk_bounds, choose_group,
+                                      group_sizes, grouped_plan, host_order, layer_bounds, layer_major,
                                       mean_copy_bound, narrow_layer_rows, plan, split_copies)
 
 PROBE = json.loads((Path(__file__).parent.parent / "bench/results/probe_host_issue_h200.json").read_text())
@@ -301,3 +302,69 @@ def test_host_order_sorts_slots_and_keeps_pages_whole(n_pages, ps, seed, whole):
     assert (np.diff(host[order]) > 0).all()
     if whole:   # each page's slots stay in their order, next to each other
         assert (order.reshape(-1, ps) // ps == (order.reshape(-1, ps)[:, :1] // ps)).all()
+
+
+LAYER_MAJOR_SPECS = [MHA, KVSpec("mla", 61, torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64),
+                     KVSpec("dsa", 5, torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8, index_head_dim=128)]
+
+
+def _play_backup(p, pl, dev, d):
+    """Play a backup plan on the CPU: gather every chunk into staging as the kernel would
+    (item ``j`` of the chunk, layer ``l0 + k`` at staging slot ``j``, layer ``k``), then
+    its copies as the copy engine would. Returns the host bytes (0xA5 where nothing went)."""
+    host = np.full(pl.total_bytes, 0xA5, dtype=np.uint8)
+    for i in range(p.n_chunks):
+        j0, m = p.items(i)
+        l0, nl = p.layer_range(i)
+        nl = nl or pl.layer_num
+        stg = np.zeros(p.staging_bytes, dtype=np.uint8)
+        for k in range(nl):
+            for j in range(m):
+                at = p.staging.offset(j, k)
+                stg[at:at + pl.item_bytes] = dev[l0 + k, d[j0 + j]]
+        tall, flat = p.calls(i)
+        for h0, s0, w, height, hp, sp in tall.tolist():
+            for r in range(height):
+                host[h0 + r * hp:h0 + r * hp + w] = stg[s0 + r * sp:s0 + r * sp + w]
+        for h0, s0, w in flat.tolist():
+            host[h0:h0 + w] = stg[s0:s0 + w]
+    return host
+
+
+@given(si=st.sampled_from(range(len(LAYER_MAJOR_SPECS))), ps=st.sampled_from([1, 4]), n_pages=st.integers(1, 40),
+       seed=st.integers(0, 2**16), one_run=st.booleans(), stage_layers=st.sampled_from([1, 2, 3, 100]),
+       ramp=st.sampled_from([0, 1, 4 << 20]), max_pitch=st.sampled_from([None, 4096]))
+@settings(max_examples=40)
+def test_layer_chunked_backup_puts_every_byte_where_the_reference_does(si, ps, n_pages, seed, one_run, stage_layers,
+                                                                      ramp, max_pitch):
+    """Chunks of whole layers (every slot in each), played on the CPU, write exactly the bytes
+    a slot-by-slot copy writes, for any run structure, staging size and ramp."""
+    spec = LAYER_MAJOR_SPECS[si]
+    rng = np.random.default_rng(seed)
+    size = 48 * ps
+    for comp in spec.components:
+        pl = LAYOUTS["layer_first"].placement(comp, spec.layer_num, size, ps)
+        assert layer_major(pl)
+        pages = (int(rng.integers(0, 48 - n_pages + 1)) + np.arange(n_pages)) if one_run else rng.permutation(48)[:n_pages]
+        h = (pages[:, None] * ps + np.arange(ps)).reshape(-1).astype(np.int64)
+        d = rng.permutation(64 * ps)[:h.size]
+        dev = rng.integers(0, 256, (spec.layer_num, 64 * ps, pl.item_bytes), dtype=np.uint8)
+        p = LayerChunkedPlan(pl, h, stage_layers * h.size * pl.item_bytes, max_pitch, ramp=ramp)
+        assert p.layer_range(0)[0] == 0 and sum(p.layer_range(i)[1] for i in range(p.n_chunks)) == spec.layer_num
+        want = np.full(pl.total_bytes, 0xA5, dtype=np.uint8)
+        for layer in range(spec.layer_num):
+            for hs, ds in zip(h.tolist(), d.tolist()):
+                at = pl.offset(hs, layer)
+                want[at:at + pl.item_bytes] = dev[layer, ds]
+        assert np.array_equal(_play_backup(p, pl, dev, d), want)
+        # A run of slots is one copy per layer (not cut at chunk edges), pitched or not.
+        runs = Runs.of(h)
+        assert p.n_flat + sum(int(r[3]) for r in p.whole().tall) == sum(runs.counts) * spec.layer_num
+
+
+def test_layer_chunks_start_small_and_double():
+    assert layer_bounds(61, 3, 1).tolist() == [0, 1, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36, 39, 42, 45, 48, 51,
+                                              54, 57, 60, 61]
+    assert layer_bounds(32, 32, 32).tolist() == [0, 32]
+    assert layer_bounds(5, 8, 1).tolist() == [0, 1, 3, 5]
+    assert not layer_major(LAYOUTS["page_first"].placement(MHA.components[0], 32, 64, 1))

@@ -129,6 +129,27 @@ def test_dma_parts_in_host_order_and_kernel_parts_in_the_callers_match_direct(so
     _round_trip_matches_direct(eng, dev, host, layout, ps, idx_device, rng, contiguous=False)
 
 
+@pytest.mark.parametrize("name", ["mha_odd", "mla_fp8_656", "dsa"])
+@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_layer_chunked_backups_match_direct(name, ps, contiguous):
+    """layer_first backups go in chunks of whole layers (every slot in each); staging for one
+    layer's worth makes a chunk per layer, the first in the caller's thread and the rest in
+    the engine's."""
+    from kvtier.transfer.dma import DMABackend, DMAConfig
+    from kvtier.transfer.dma_plan import LayerChunkedPlan
+    spec = SPECS[name]
+    rng = np.random.default_rng(hash((name, ps, contiguous)) % 2**32)
+    dev, host = _pools(spec, ps, "layer_first")
+    n_slots = 96 if ps > 1 else 77
+    widest = max(p.item_bytes for p in host.transfer_parts())
+    eng = TransferEngine(host, "dma")
+    eng.backend = DMABackend(DMAConfig(staging_bytes=n_slots * widest, kernel_below=0))
+    plans = [eng.backend.plan_part(p, np.arange(n_slots), True) for p in host.transfer_parts()]
+    assert all(isinstance(p, LayerChunkedPlan) for p in plans) and max(p.n_chunks for p in plans) > 1
+    _round_trip_matches_direct(eng, dev, host, "layer_first", ps, "cpu", rng, contiguous=contiguous)
+
+
 def test_three_streams_stress():
     """Loads, backups and a forward-like kernel on three streams; every byte checked."""
     spec = SPECS["mha_odd"]

@@ -34,8 +34,9 @@ import torch
 
 from .base import Backend, TransferPart, between_chunks
 from .cudart import has_batch, memcpy2d, memcpy_batch
-from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, Runs, choose_group, dma_capable,
-                       grouped_plan, host_order, mean_copy_bound, narrow_layer_rows, run_class)
+from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, LayerChunkedPlan, Runs, choose_group,
+                       dma_capable, grouped_plan, host_order, layer_major, mean_copy_bound, narrow_layer_rows,
+                       run_class)
 from .kernel import KernelBackend, PartTables, check_mapped, host_numpy, on_device
 from .timing import event_seconds
 from .triton_kernels import copy_items
@@ -170,6 +171,8 @@ class DMABackend(Backend):
         # leaves out the runs chunk edges split, a few per transfer.
         if mean_copy_bound(part.host, host_np, layers, self.config.staging_bytes, runs=runs) < self.config.kernel_below:
             return None
+        if to_host and layer_major(part.host) and host_np.size * part.item_bytes <= self.config.staging_bytes:
+            return LayerChunkedPlan(part.host, host_np, self.config.staging_bytes, ramp=RAMP_MIN_BYTES, runs=runs)
         if to_host:
             return ChunkedPlan(part.host, host_np, layers, self.config.staging_bytes, ramp=RAMP_MIN_BYTES, runs=runs)
         return grouped_plan(part.host, host_np, layers, self.config.staging_bytes, chunked=True, runs=runs)
@@ -354,10 +357,11 @@ class DMABackend(Backend):
         wp = None  # the same for every staging buffer (all 256-byte aligned): worked out once
         for i in chunks:
             j0, m = p.items(i)
+            l0, nl = p.layer_range(i)
             slot = ring.take(p.staging_bytes)
             wp = wp or self.tables.words(part, p.staging, slot.buf)
             ring.side.wait_event(slot.free)
-            copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, 0, part.layer_num,
+            copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, l0, nl or part.layer_num,
                        True, self.config.gather_blocks, wp)
             slot.ready.record(ring.side)
             tall, flat = p.calls(i)

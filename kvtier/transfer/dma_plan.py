@@ -206,6 +206,10 @@ class _Chunks:
         j0 = int(self.bounds[i])
         return j0, int(self.bounds[i + 1]) - j0
 
+    def layer_range(self, i: int) -> tuple[int, int | None]:
+        """(first layer, layer count) chunk ``i`` moves; None: every layer of the transfer."""
+        return 0, None
+
 
 @dataclass(frozen=True)
 class DMAPlan(_Chunks):
@@ -465,6 +469,80 @@ class ChunkedPlan(_Chunks):
     n_flat = property(lambda self: self.whole().n_flat)
     min_width = property(lambda self: self.whole().min_width)
     mean_copy = property(lambda self: self.whole().mean_copy)
+
+
+def layer_major(pl: Placement) -> bool:
+    """True when each layer holds its slots apart from every other layer's (layer_first):
+    a run of host slots is then one piece per layer, however many slots it spans."""
+    return pl.layer_num > 1 and pl.tokens_linear and pl.n_chunks == 1 and pl.layer_stride >= pl.token
+
+
+def layer_bounds(layer_num: int, most: int, first: int) -> np.ndarray:
+    """Layer offsets where chunks of whole layers start (and ``layer_num``): ``first`` layers,
+    doubling up to ``most`` per chunk."""
+    out, pos, size = [0], 0, max(1, min(first, most))
+    while pos < layer_num:
+        pos = min(pos + size, layer_num)
+        out.append(pos)
+        size = min(2 * size, most)
+    return np.array(out, dtype=np.int64)
+
+
+class LayerChunkedPlan(ChunkedPlan):
+    """A backup of a layer-major host layout cut into chunks of whole layers, every slot in
+    each: a run of host slots is one copy per layer, as long as the whole run.
+
+    Chunks of slots (:class:`ChunkedPlan`) cut every layer's run at each chunk edge: MLA's 61
+    layers of 1152-byte rows in 128 MiB chunks made copies of 2.2 MB (and 137-550 KB in the
+    small first chunks), about 0.8 us each beyond their bytes on an H200, so the copy phase
+    ran at 0.96-0.97x of the limit (run 25, ``probe_host_timeline_h200_run25.json``). Here
+    an allocator's 32k MLA slots are one 37.7 MB copy per layer. The first chunks are small
+    (one layer, or ``ramp`` bytes), doubling, as the copy engine waits for the first gather.
+    Used where one layer of every slot fits the staging buffer (:func:`layer_major` layouts).
+    :meth:`whole` is for the figures over the whole transfer only: its item bounds do not
+    describe these chunks, which each move every item.
+    """
+
+    def __init__(self, pl: Placement, host_idx: np.ndarray, staging_bytes: int, max_pitch: int | None = None,
+                 ramp: int = 0, runs: Runs | None = None):
+        runs = runs or Runs.of(host_idx)
+        n = int(host_idx.size)
+        self._pl, self._layers = pl, pl.layer_num
+        self._first = int(host_idx[0]) if runs.single else None
+        self._idx = None if runs.single else np.array(host_idx, dtype=np.int64)
+        self._max_pitch = max_pitch or MAX_PITCH
+        self.n_items = n
+        self.slots = -(-max(n, 1) // pl.page_size) * pl.page_size
+        per_layer = self.slots * pl.item_bytes
+        most = max(1, min(pl.layer_num, staging_bytes // per_layer))
+        self._lb = layer_bounds(pl.layer_num, most, -(-ramp // per_layer) if ramp else most)
+        self.staging = compact(pl, self.slots, most)
+        self.bounds = np.array([0, n], dtype=np.int64)
+        self._calls = {}
+        self._whole = None
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self._lb) - 1
+
+    def items(self, i: int) -> tuple[int, int]:
+        return 0, self.n_items
+
+    def layer_range(self, i: int) -> tuple[int, int]:
+        return int(self._lb[i]), int(self._lb[i + 1] - self._lb[i])
+
+    def _chunk_calls(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if i not in self._calls:
+            l0, nl = self.layer_range(i)
+            skip = l0 * self._pl.layer_stride  # host offsets count from layer 0
+            if self._first is not None:
+                calls = _run_calls(self._pl, self.staging, self.n_items, nl, self._max_pitch)
+                self._calls[i] = tuple(_shifted(a, self._pl.offset(self._first, 0) + skip) for a in calls)
+            else:
+                copies, _ = _copies(self._pl, self.staging, self._idx, np.array([0, self.n_items]), nl)
+                copies[:, 0] += skip
+                self._calls[i] = (copies, *split_copies(copies, self._max_pitch))
+        return self._calls[i]
 
 
 def _offsets(pl: Placement, slots: np.ndarray) -> np.ndarray:
