@@ -171,7 +171,11 @@ class DMABackend(Backend):
         # leaves out the runs chunk edges split, a few per transfer.
         if mean_copy_bound(part.host, host_np, layers, self.config.staging_bytes, runs=runs) < self.config.kernel_below:
             return None
-        if to_host and layer_major(part.host) and host_np.size * part.item_bytes <= self.config.staging_bytes:
+        # Chunks of whole layers for one run of slots (allocator slots). With scattered pages they
+        # made a pitched call per run and chunk of 1-3 layers (thousands of runtime calls): an MLA
+        # page-64 scattered backup ran at 0.57x (H200 run 26) where chunks of slots gave 0.79x.
+        if (to_host and runs.single and layer_major(part.host)
+                and host_np.size * part.item_bytes <= self.config.staging_bytes):
             return LayerChunkedPlan(part.host, host_np, self.config.staging_bytes, ramp=RAMP_MIN_BYTES, runs=runs)
         if to_host:
             return ChunkedPlan(part.host, host_np, layers, self.config.staging_bytes, ramp=RAMP_MIN_BYTES, runs=runs)
