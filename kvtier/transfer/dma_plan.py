@@ -417,29 +417,37 @@ class ChunkedPlan(_Chunks):
 
     def __init__(self, pl: Placement, host_idx: np.ndarray, layers: int, staging_bytes: int,
                  max_pitch: int | None = None, ramp: int = 0, runs: Runs | None = None):
+        self._hold(pl, host_idx, layers, max_pitch, runs)
+        self.staging, self.slots, self.bounds = _layout(pl, host_idx, layers, staging_bytes, ramp)
+
+    def _hold(self, pl: Placement, host_idx: np.ndarray, layers: int, max_pitch: int | None, runs: Runs | None):
+        """Keep what planning a chunk later needs. One run (allocator slots): a chunk's copies
+        are its length's template moved to where it starts, from the first slot alone. Else a
+        copy of the slots: chunks are planned later, and the caller's index array may change
+        by then."""
         runs = runs or Runs.of(host_idx)
-        self._pl, self._layers = pl, layers
-        # One run (allocator slots): chunk i's copies are its length's template moved to where
-        # it starts, from the first slot alone. Else a copy of the slots: chunks are planned
-        # later, and the caller's index array may change by then.
+        self._pl, self._layers, self.n_items = pl, layers, int(host_idx.size)
         self._first = int(host_idx[0]) if runs.single else None
         self._idx = None if runs.single else np.array(host_idx, dtype=np.int64)
         self._max_pitch = max_pitch or MAX_PITCH
-        self.staging, self.slots, self.bounds = _layout(pl, host_idx, layers, staging_bytes, ramp)
-        self.n_items = int(host_idx.size)
         self._calls: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._whole: DMAPlan | None = None
 
     def _chunk_calls(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if i not in self._calls and self._first is not None:
+        """(copies, pitched rows, 1-D copies) of chunk ``i``: its items and layers, with host
+        offsets counted from layer 0."""
+        if i not in self._calls:
             j0, m = self.items(i)
-            h0 = self._pl.offset(self._first + j0, 0)
-            self._calls[i] = tuple(_shifted(a, h0) for a in _run_calls(self._pl, self.staging, m, self._layers,
-                                                                       self._max_pitch))
-        elif i not in self._calls:
-            j0, m = self.items(i)
-            copies, _ = _copies(self._pl, self.staging, self._idx[j0:j0 + m], np.array([0, m]), self._layers)
-            self._calls[i] = (copies, *split_copies(copies, self._max_pitch))
+            l0, nl = self.layer_range(i)
+            skip = l0 * self._pl.layer_stride
+            if self._first is not None:
+                calls = _run_calls(self._pl, self.staging, m, nl or self._layers, self._max_pitch)
+                self._calls[i] = tuple(_shifted(a, self._pl.offset(self._first + j0, 0) + skip) for a in calls)
+            else:
+                copies, _ = _copies(self._pl, self.staging, self._idx[j0:j0 + m], np.array([0, m]),
+                                    nl or self._layers)
+                copies[:, 0] += skip
+                self._calls[i] = (copies, *split_copies(copies, self._max_pitch))
         return self._calls[i]
 
     def chunk(self, i: int) -> tuple[int, int, np.ndarray]:
@@ -508,21 +516,13 @@ class LayerChunkedPlan(ChunkedPlan):
 
     def __init__(self, pl: Placement, host_idx: np.ndarray, staging_bytes: int, max_pitch: int | None = None,
                  ramp: int = 0, runs: Runs | None = None):
-        runs = runs or Runs.of(host_idx)
-        n = int(host_idx.size)
-        self._pl, self._layers = pl, pl.layer_num
-        self._first = int(host_idx[0]) if runs.single else None
-        self._idx = None if runs.single else np.array(host_idx, dtype=np.int64)
-        self._max_pitch = max_pitch or MAX_PITCH
-        self.n_items = n
-        self.slots = -(-max(n, 1) // pl.page_size) * pl.page_size
+        self._hold(pl, host_idx, pl.layer_num, max_pitch, runs)
+        self.slots = -(-max(self.n_items, 1) // pl.page_size) * pl.page_size
         per_layer = self.slots * pl.item_bytes
         most = max(1, min(pl.layer_num, staging_bytes // per_layer))
         self._lb = layer_bounds(pl.layer_num, most, -(-ramp // per_layer) if ramp else most)
         self.staging = compact(pl, self.slots, most)
-        self.bounds = np.array([0, n], dtype=np.int64)
-        self._calls = {}
-        self._whole = None
+        self.bounds = np.array([0, self.n_items], dtype=np.int64)
 
     @property
     def n_chunks(self) -> int:
@@ -533,19 +533,6 @@ class LayerChunkedPlan(ChunkedPlan):
 
     def layer_range(self, i: int) -> tuple[int, int]:
         return int(self._lb[i]), int(self._lb[i + 1] - self._lb[i])
-
-    def _chunk_calls(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if i not in self._calls:
-            l0, nl = self.layer_range(i)
-            skip = l0 * self._pl.layer_stride  # host offsets count from layer 0
-            if self._first is not None:
-                calls = _run_calls(self._pl, self.staging, self.n_items, nl, self._max_pitch)
-                self._calls[i] = tuple(_shifted(a, self._pl.offset(self._first, 0) + skip) for a in calls)
-            else:
-                copies, _ = _copies(self._pl, self.staging, self._idx, np.array([0, self.n_items]), nl)
-                copies[:, 0] += skip
-                self._calls[i] = (copies, *split_copies(copies, self._max_pitch))
-        return self._calls[i]
 
 
 def _offsets(pl: Placement, slots: np.ndarray) -> np.ndarray:
