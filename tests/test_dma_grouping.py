@@ -22,7 +22,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvtier.transfer.dma_plan import (RAMP_DIV, ChunkedPlan, LayerChunkedPlan, Runs, chunk_bounds, choose_group,
                                       group_sizes, grouped_plan, host_order, layer_bounds, layer_major,
-                                      mean_copy_bound, narrow_layer_rows, plan, split_copies)
+                                      mean_copy_bound, narrow_layer_rows, plan, sorted_slots, split_copies)
 
 PROBE = json.loads((Path(__file__).parent.parent / "bench/results/probe_host_issue_h200.json").read_text())
 MHA = KVSpec("mha", 32, torch.bfloat16, head_num=8, head_dim=128)    # llama-3-8b: 2 KiB K or V rows
@@ -285,23 +285,29 @@ def test_word_plan_from_the_cached_layer_gcd_is_the_plan_from_every_address(offs
 
 
 @given(n_pages=st.integers(0, 60), ps=st.sampled_from([1, 4, 64]), seed=st.integers(0, 2**16),
-       whole=st.booleans())
-def test_host_order_sorts_slots_and_keeps_pages_whole(n_pages, ps, seed, whole):
+       whole=st.booleans(), repeat=st.booleans())
+def test_host_order_sorts_slots_and_keeps_pages_whole(n_pages, ps, seed, whole, repeat):
     """host_order: a permutation that sorts the host slots; whole pages move as a block, in
-    order; slots already ascending need none."""
+    order; slots already ascending need none. sorted_slots gives the slots in that order
+    (without the permutation), also where a load repeats slots."""
     rng = np.random.default_rng(seed)
     pages = rng.permutation(128)[:n_pages]
+    if repeat and pages.size:
+        pages = rng.choice(pages, pages.size)
     host = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
     if not whole and host.size:
         host = rng.permutation(host)
-    order = host_order(host, ps)
+    order, values = host_order(host, ps), sorted_slots(host, ps)
     if host.size < 2 or (np.diff(host) > 0).all():
-        assert order is None
+        assert order is None and values is None
         return
     assert sorted(order.tolist()) == list(range(host.size))
-    assert (np.diff(host[order]) > 0).all()
+    keys = np.diff(host[order][::ps] if whole else host[order])   # whole pages: by first slot
+    assert (keys >= 0).all() and ((keys > 0).all() or repeat)
+    assert np.array_equal(host[order], values)
     if whole:   # each page's slots stay in their order, next to each other
         assert (order.reshape(-1, ps) // ps == (order.reshape(-1, ps)[:, :1] // ps)).all()
+        assert (values.reshape(-1, ps) == values.reshape(-1, ps)[:, :1] + np.arange(ps)).all()
 
 
 LAYER_MAJOR_SPECS = [MHA, KVSpec("mla", 61, torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64),

@@ -209,15 +209,15 @@ class AutoBackend(Backend):
         self.timings.harvest(self.chooser)
         key = base + (DUPLEX,) if self.timings.sharing(to_host) else base
         candidates = self._candidates.get(base)
-        dma_pairs = []  # the slot pairs in the DMA backend's order, worked out if DMA needs them
+        dma_slots = []  # the host slots in the DMA backend's order and their runs, if DMA needs them
 
         def for_dma():
-            if not dma_pairs:
-                s_np, s_h, s_d = self.dma.in_host_order(parts, host_np, host_idx, dev_idx)
-                dma_pairs.extend((s_np, s_h, s_d, runs if s_np is host_np else Runs.of(s_np)))
-            return dma_pairs
+            if not dma_slots:
+                s_np = self.dma.in_host_order(parts, host_np)
+                dma_slots.extend((s_np, runs if s_np is host_np else Runs.of(s_np)))
+            return dma_slots
         if candidates is None:  # first transfer of this shape: rank by the prior
-            s_np, _, _, s_runs = for_dma()
+            s_np, s_runs = for_dma()
             ranking = [self.dma.plan_part(p, s_np, to_host, whole, s_runs) for p in parts]
             candidates = self._candidates[base] = self.ranked(parts, ranking, host_np.size, to_host)
             # Ranking plans every chunk up front (5-15 ms for 32k scattered slots), once per
@@ -230,9 +230,9 @@ class AutoBackend(Backend):
         self.picks[("backup" if to_host else "load", choice)] += 1
         # DMA plans are made only for DMA (chunk by chunk as the chunks are queued).
         if choice == "dma":
-            s_np, s_h, s_d, s_runs = for_dma()
+            s_np, s_runs = for_dma()
             plans = [self.dma.plan_part(p, s_np, to_host, whole, s_runs) for p in parts]
-            inner = self.dma.runner(parts, plans, s_h, s_d, block_quota, kernel_idx=(host_idx, dev_idx))
+            inner = self.dma.runner_for(parts, plans, host_np, s_np, host_idx, dev_idx, block_quota)
         else:
             plans = [None] * len(parts)
             inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota)

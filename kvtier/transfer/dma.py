@@ -36,7 +36,7 @@ from .base import Backend, TransferPart, between_chunks
 from .cudart import has_batch, memcpy2d, memcpy_batch
 from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, LayerChunkedPlan, Runs, choose_group,
                        dma_capable, grouped_plan, host_order, layer_major, mean_copy_bound, narrow_layer_rows,
-                       run_class)
+                       run_class, sorted_slots)
 from .kernel import KernelBackend, PartTables, check_mapped, host_numpy, on_device
 from .timing import event_seconds
 from .triton_kernels import copy_items
@@ -266,22 +266,29 @@ class DMABackend(Backend):
         for part in parts:
             check_mapped(part)
         host_np = host_numpy(host_idx) if host_np is None else host_np
-        s_np, s_h, s_d = self.in_host_order(parts, host_np, host_idx, dev_idx)
+        s_np = self.in_host_order(parts, host_np)
         runs = Runs.of(s_np)
         plans = [self.plan_part(p, s_np, to_host, whole, runs) for p in parts]
-        return self.runner(parts, plans, s_h, s_d, block_quota, kernel_idx=(host_idx, dev_idx))
+        return self.runner_for(parts, plans, host_np, s_np, host_idx, dev_idx, block_quota)
 
-    def in_host_order(self, parts, host_np: np.ndarray, host_idx: torch.Tensor, dev_idx: torch.Tensor):
-        """``(host_np, host_idx, dev_idx)`` with the slot pairs in host-slot order
-        (:func:`~.dma_plan.host_order`, when ``DMAConfig.sort_slots``), or as given."""
-        order = host_order(host_np, parts[0].host.page_size) if self.config.sort_slots else None
-        if order is None:
-            return host_np, host_idx, dev_idx
-        sel = torch.from_numpy(order)
+    def in_host_order(self, parts, host_np: np.ndarray) -> np.ndarray:
+        """``host_np`` in host-slot order (:func:`~.dma_plan.sorted_slots`, when
+        ``DMAConfig.sort_slots``), or ``host_np`` itself: what the plans are made for."""
+        s_np = sorted_slots(host_np, parts[0].host.page_size) if self.config.sort_slots else None
+        return host_np if s_np is None else s_np
+
+    def runner_for(self, parts, plans, host_np: np.ndarray, s_np: np.ndarray, host_idx: torch.Tensor,
+                   dev_idx: torch.Tensor, block_quota: int | None = None):
+        """:meth:`runner` for ``plans`` made with ``s_np = in_host_order(host_np)``: DMA parts move
+        the slot pairs in that order, kernel parts in the caller's. The permutation of the device
+        slots is worked out only here, and only when some part goes by DMA: where every part
+        goes through the kernel (single scattered tokens) the transfer pays for a plain sort only."""
+        if s_np is host_np or all(p is None for p in plans):
+            return self.runner(parts, plans, host_idx, dev_idx, block_quota)
+        sel = torch.from_numpy(host_order(host_np, parts[0].host.page_size))
         dev = dev_idx.to(torch.int64)
         dev = dev[on_device(sel, dev.device)] if dev.device.type == "cuda" else dev[sel]
-        s_np = host_np[order]
-        return s_np, torch.from_numpy(s_np), dev
+        return self.runner(parts, plans, torch.from_numpy(s_np), dev, block_quota, kernel_idx=(host_idx, dev_idx))
 
     def runner(self, parts, plans, host_idx, dev_idx, block_quota=None, kernel_idx=None):
         """``run(layer)`` for these plans (None: that part goes through the kernel, with the
