@@ -19,15 +19,18 @@ tokens; three calls of each after two warm-ups, the last logged in full and
 the first-copy start of each. (Until run 25 "both" also ran with the backup
 queued inline by the caller, ``background_backups=False``: the A/B below.)
 
-Run 21 (inline then, ``probe_host_timeline_h200.json``): the first copy
+Run 21 (inline then, ``probe_host_timeline_h200_run21.json``): the first copy
 started 1.8-2.4 ms after the call (planning bound 0.6 ms, index copy 0.5 ms,
 the first chunk's gather and copies 0.8 ms); queueing a backup's chunks
 held the host 8-10 ms per part, so in "both" the load's first copy started
 at 15 ms (MLA) and 23 ms (MHA) of a 61 and 105 ms pair. Run 22 (the A/B):
 MLA pairs 77.8-79.5 GB/s in the background against 66.6-69.3 inline, MHA
-87-92 against 75-84 (``probe_host_timeline_h200.json``). Run 23, the thread
+87-92 against 75-84 (``probe_host_timeline_h200_run22.json``). Run 23, the thread
 giving way to a load being prepared: the load's first copy at 7.2-7.8 ms,
-not 11-12 (``probe_host_timeline_h200_run23.json``).
+not 11-12 (``probe_host_timeline_h200_run23.json``). Run 27
+(``probe_host_timeline_h200.json``): the first copy of an MLA backup, page_first or
+layer_first, starts 1.07-1.13 ms after the call (2.8 ms in run 24), and the transfers run at
+52.9-53.2 GB/s (0.96x).
 Usage: python bench/probes/host_timeline.py OUT.json [--tokens N]
 """
 

@@ -10,6 +10,12 @@ DMA engine, the rest by a kernel engine, both queued at once (each engine has it
 streams), and times the whole, as the bench times one transfer. ``f`` = 0 is the kernel
 alone, 1 DMA alone. Each cell is the median of three medians of three after a warm-up;
 the ratio is to the contiguous copy measured at the start.
+
+Run 27 (``probe_split_engines_h200.json``): no. Every split fell between the two engines
+alone, nearer the slower the larger its share: layer_first page-64 backups by the kernel
+alone MLA 0.873x, DSA 0.809x, MHA 0.905x, a quarter by DMA 0.867/0.792/0.891x, DMA alone
+0.799/0.712/0.853x; MHA page_first single-token loads the other way round (DMA alone 0.926x,
+the kernel 0.867x). The engines share what limits them, so splitting is not pursued.
 Usage: python bench/probes/split_engines.py OUT.json [--tokens N]
 """
 

@@ -188,7 +188,7 @@ class TransferEngine:
     in the caller's thread (which also queues its first chunk when no earlier
     backup is still being queued), and its other copies are then queued by one
     background thread (in order, one backup after another). Queueing a 4 GiB backup
-    takes the host 8-10 ms per part (H200, ``probe_host_timeline_h200.json``):
+    takes the host 8-10 ms per part (H200, ``probe_host_timeline_h200_run21.json``):
     inline, a load issued right after it started only once that was done.
     ``False`` queues everything in the caller's thread before returning.
     """
