@@ -133,7 +133,7 @@ def rank(predicted: dict[str, float], within: float = EXPLORE_WITHIN) -> list[st
 class AutoBackend(Backend):
     name = "auto"
 
-    def __init__(self, kernel: KernelBackend, dma: DMABackend, explore: int = 2):
+    def __init__(self, kernel: KernelBackend, dma: DMABackend, explore: int = 3):
         self.kernel = kernel
         self.dma = dma
         self._models: dict[int, CostModel] = {}

@@ -2,12 +2,19 @@
 
 The calibrated model of :mod:`.auto` is a prior: it ranks the candidates the
 first time a transfer shape is seen. Each candidate is then tried on real
-transfers of that shape until it has ``explore`` timed samples, and from
-then on the one with the best sample runs. The best, not the median: a
-transfer's time is only ever inflated (a kernel compiled on first use,
-staging buffers allocated, other work on the GPU), never cut below what its
-path costs, and one inflated sample among two would otherwise condemn the
-faster path for good (H200 run 14: auto 0.88x where DMA gave 0.94x). A shape is what
+transfers of that shape until it has ``explore`` (3) timed samples, and from
+then on the one with the best score runs. The score is a candidate's
+second-best sample. A transfer's time is most often inflated (a kernel
+compiled on first use, staging buffers allocated, other work on the GPU),
+so one inflated sample must not condemn a path (H200 run 14: by the median
+of two, auto kept the kernel at 0.88x where DMA gave 0.94x); but samples
+also scatter the other way, and the best alone can pick a path that then
+runs slower (run 27: DMA's best of four, 49.5 GB/s, beat the kernel's 49.1
+where DMA then ran at 46.5). A candidate
+scoring within ``tie`` (2%) of the top keeps its place in the prior's order:
+samples that close cannot tell two paths apart (run 27: DMA's two samples
+best 47.8 GB/s against the kernel's 48.2 put an MLA backup on the kernel at
+0.86x where DMA runs at 0.95x). A shape is what
 changes the answer: direction, each part's geometry, the size class and
 how long the host runs are. Timings are device events read back only once
 they have completed, so choosing never blocks the host.
@@ -38,7 +45,8 @@ def shape_key(to_host: bool, parts, host_np: np.ndarray, nbytes: int, runs: Runs
 
 @dataclass
 class OnlineChooser:
-    """Per shape: explore each candidate ``explore`` times, then keep the one with the best sample.
+    """Per shape: explore each candidate ``explore`` times, then keep the one with the best
+    :func:`score` (the prior's order breaks a tie within ``tie``).
 
     A transfer that will share the link with one in the other direction (its
     key ends with ``DUPLEX``) takes ``when_shared`` whenever that is a
@@ -54,10 +62,11 @@ class OnlineChooser:
     transfers the other way can only go by the kernel.
     """
 
-    explore: int = 2
+    explore: int = 3
     samples: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
     when_shared: str | None = "dma"
     shared_margin: float = 0.8
+    tie: float = 0.02
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -82,11 +91,16 @@ class OnlineChooser:
             for c in candidates:
                 if len(seen[c]) < self.explore:
                     return c
-            return max(candidates, key=lambda c: max(seen[c]))
+            return self._top({c: score(seen[c]) for c in candidates}, candidates)
+
+    def _top(self, scores: dict, order) -> str:
+        """The first in ``order`` scoring within ``tie`` of the highest score."""
+        high = max(scores.values())
+        return next(c for c in order if c in scores and scores[c] >= (1 - self.tie) * high)
 
     def _solo_best(self, key) -> dict:
         with self._lock:
-            return {c: max(v) for c, v in self.samples.get(key, {}).items() if v}
+            return {c: score(v) for c, v in self.samples.get(key, {}).items() if v}
 
     def record(self, key, candidate: str, gbps: float) -> None:
         if gbps > 0 and math.isfinite(gbps):
@@ -94,9 +108,16 @@ class OnlineChooser:
                 self.samples[key][candidate].append(gbps)
 
     def best(self, key) -> str | None:
+        """The candidate with the highest :func:`score` for ``key`` (None: nothing timed)."""
         with self._lock:
-            seen = {c: max(v) for c, v in self.samples[key].items() if v}
+            seen = {c: score(v) for c, v in self.samples[key].items() if v}
         return max(seen, key=seen.get) if seen else None
+
+
+def score(samples: list[float]) -> float:
+    """What a candidate's samples say it runs at: the second best of three or more (one
+    inflated sample and one lucky one both left out), else the best."""
+    return sorted(samples)[-2] if len(samples) >= 3 else max(samples)
 
 
 def _before(a, b) -> bool:
