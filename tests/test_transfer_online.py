@@ -198,7 +198,7 @@ def test_a_transfer_sharing_the_link_goes_by_dma_where_it_can():
     assert OnlineChooser(when_shared=None).pick(shared, ["kernel", "dma"]) == "kernel"
 
 
-def test_bench_sample_note_names_the_shapes_a_row_added_to_with_counts_and_best_rates():
+def test_bench_sample_note_names_the_shapes_a_row_added_to_with_counts_and_scores():
     from types import SimpleNamespace
 
     from kvtier.bench.transfer import sample_counts, sample_note
@@ -207,10 +207,12 @@ def test_bench_sample_note_names_the_shapes_a_row_added_to_with_counts_and_best_
     solo, shared, other = (True, "g", 20, 3), (True, "g", 20, 3, DUPLEX), (False, "g", 20, 3)
     chooser.record(other, "kernel", 40.0)
     before = sample_counts(backend)
-    for key, cand, rate in ((solo, "dma", 41.25), (solo, "dma", 44.0), (solo, "kernel", 49.8), (shared, "dma", 30.0)):
+    for key, cand, rate in ((solo, "dma", 41.25), (solo, "dma", 44.0), (solo, "dma", 47.5), (solo, "kernel", 49.8),
+                            (shared, "dma", 30.0)):
         chooser.record(key, cand, rate)
     note = sample_note(backend, before)
-    assert note == "backup dma:2@44.0 kernel:1@49.8; backup/duplex dma:1@30.0"  # the load shape did not change
+    # dma: the second best of three; the load shape did not change
+    assert note == "backup dma:3@44.0 kernel:1@49.8; backup/duplex dma:1@30.0"
     assert sample_note(backend, sample_counts(backend)) == ""
     assert sample_note(SimpleNamespace(), {}) == "" and sample_counts(object()) == {}
 

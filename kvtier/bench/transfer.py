@@ -25,7 +25,7 @@ from ..host_pool import host_pool_for
 from ..layouts import SUPPORTED
 from ..spec import preset
 from ..transfer import TransferEngine
-from ..transfer.online import DUPLEX
+from ..transfer.online import DUPLEX, score
 
 SHAPES = {"mha": "llama-3-8b", "mla": "deepseek-v3", "dsa": "glm-dsa"}
 PAGE_SIZES = (1, 64, 16)  # the acceptance rows (1, 64) first
@@ -278,8 +278,9 @@ def sample_counts(backend) -> dict:
 
 def sample_note(backend, before: dict) -> str:
     """The samples of every shape that gained some since ``before`` (:func:`sample_counts`):
-    ``backup/duplex dma:4@41.2 kernel:2@49.8`` is direction, whether the link was shared,
-    and per candidate the count and best GB/s: what auto's picks were made from."""
+    ``backup/duplex dma:4@41.2 kernel:3@49.8`` is direction, whether the link was shared,
+    and per candidate the count and score in GB/s (:func:`~kvtier.transfer.online.score`:
+    the second best of three or more): what auto's picks were made from."""
     chooser = getattr(backend, "chooser", None)
     if chooser is None:
         return ""
@@ -289,7 +290,7 @@ def sample_note(backend, before: dict) -> str:
         if now.get(key) == before.get(key):
             continue
         head = ("backup" if key[0] else "load") + ("/duplex" if key[-1] == DUPLEX else "")
-        out.append(head + " " + " ".join(f"{c}:{len(v)}@{max(v):.1f}" for c, v in sorted(by.items()) if v))
+        out.append(head + " " + " ".join(f"{c}:{len(v)}@{score(v):.1f}" for c, v in sorted(by.items()) if v))
     return "; ".join(out)
 
 
