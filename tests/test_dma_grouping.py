@@ -255,7 +255,7 @@ def test_chunked_plan_keeps_its_own_copy_of_the_slots():
 
 @pytest.mark.parametrize("bad", [{"load_group": -1}, {"load_group": True}, {"load_group": 1.5},
                                  {"group_target": 0.0}, {"group_target": 1.5}, {"batch_min": 0},
-                                 {"kernel_below": -1}, {"kernel_below": 1.5}, {"sort_slots": 1},
+                                 {"kernel_below": -1}, {"kernel_below": 1.5}, {"sort_slots": 1}, {"sort_below": -1},
                                  {"buffers": 1}])
 def test_dma_config_rejects_bad_values_by_name(bad):
     pytest.importorskip("triton")
@@ -393,3 +393,29 @@ def test_backups_go_in_layer_chunks_only_for_one_run_of_slots():
         scattered = (np.array([9, 2, 5, 14])[:, None] * 16 + np.arange(16)).reshape(-1)
         assert isinstance(dma.plan_part(part, one_run, True), LayerChunkedPlan) == want_layers
         assert not isinstance(dma.plan_part(part, scattered, True), LayerChunkedPlan)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_slot_pairs_are_sorted_only_where_some_parts_copies_would_be_small(layout):
+    """DMAConfig.sort_slots sorts scattered host pages only where, as given, some part's copies
+    would average under sort_below bytes (the mean-copy bound); allocator slots never."""
+    pytest.importorskip("triton")
+    from kvtier.device_pool import pool_from_spec
+    from kvtier.host_pool import host_pool_for
+    from kvtier.transfer.dma import DMABackend, DMAConfig
+    from kvtier.transfer.dma_plan import mean_copy_bound
+    spec = KVSpec("mla", 4, torch.bfloat16, kv_lora_rank=64, qk_rope_head_dim=16)
+    host = host_pool_for(pool_from_spec(spec, 512, 16, "cpu"), layout, host_size_tokens=512)
+    parts = host.transfer_parts()
+    scattered = (np.array([9, 2, 5, 14, 3])[:, None] * 16 + np.arange(16)).reshape(-1)
+    runs = Runs.of(scattered)
+    bound = min(mean_copy_bound(p.host, scattered, p.layer_num, DMAConfig().staging_bytes, runs=runs) for p in parts)
+    for below, want_sorted in ((int(bound) + 1, True), (int(bound), False)):
+        dma = DMABackend(DMAConfig(sort_below=below))
+        s_np, s_runs = dma.in_host_order(parts, scattered, runs)
+        assert (s_np is not scattered) == want_sorted
+        assert np.array_equal(s_np, np.sort(scattered) if want_sorted else scattered) and s_runs == Runs.of(s_np)
+    one_run = np.arange(64, 320, dtype=np.int64)
+    assert DMABackend(DMAConfig(sort_below=1 << 62)).in_host_order(parts, one_run, Runs.of(one_run))[0] is one_run
+    assert DMABackend(DMAConfig(sort_slots=False, sort_below=1 << 62)).in_host_order(parts, scattered, runs)[0] \
+        is scattered

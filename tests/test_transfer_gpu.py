@@ -125,7 +125,7 @@ def test_dma_parts_in_host_order_and_kernel_parts_in_the_callers_match_direct(so
     kernel_below = {"every part by dma": 0, "every part by kernel": 1 << 40,
                     "parts split": int((bounds[0] + bounds[-1]) / 2)}[mode]
     eng = TransferEngine(host, "dma")
-    eng.backend = DMABackend(DMAConfig(kernel_below=kernel_below, sort_slots=sort_slots))
+    eng.backend = DMABackend(DMAConfig(kernel_below=kernel_below, sort_slots=sort_slots, sort_below=1 << 62))
     _round_trip_matches_direct(eng, dev, host, layout, ps, idx_device, rng, contiguous=False)
 
 

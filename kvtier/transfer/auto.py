@@ -213,8 +213,7 @@ class AutoBackend(Backend):
 
         def for_dma():
             if not dma_slots:
-                s_np = self.dma.in_host_order(parts, host_np)
-                dma_slots.extend((s_np, runs if s_np is host_np else Runs.of(s_np)))
+                dma_slots.extend(self.dma.in_host_order(parts, host_np, runs))
             return dma_slots
         if candidates is None:  # first transfer of this shape: rank by the prior
             s_np, s_runs = for_dma()
