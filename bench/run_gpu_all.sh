@@ -18,7 +18,7 @@ echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
 # 32,768 tokens per transfer (4 GiB for the Llama-3-8B shape), as in shared/ANCHORS.md.
 [ "${BENCH_S:-420}" -gt 0 ] && {
 timeout "${BENCH_S:-420}" python -m kvtier.cli bench transfer --tokens "${TOKENS:-32768}" --reps 3 \
-  --page-size 1 --page-size 64 ${KINDS:-} --backend kernel --backend dma --backend auto --verbose \
+  --page-size 1 --page-size 64 ${KINDS:-} --backend kernel --backend dma --backend auto ${EXTRA_BACKENDS:-} --verbose \
   --json "$OUT/transfer_h200.json" > "$OUT/transfer.log" 2> "$OUT/transfer.err"
 echo "bench transfer rc=$?"; grep -v '%|' "$OUT/transfer.err" | tail -3; }
 
