@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for everything that needs the GPU: every `gpu` test, the transfer
 # benchmark (all kinds), the TTFT benchmark, and optionally probes (PROBE=names of scripts
-# in bench/probes, space-separated; PROBE_S the time box of each). Each step is time-boxed and writes
+# in bench/probes, space-separated; PROBE_S the time box of each; EXTRA_BACKENDS more --backend
+# options for the bench, timed after auto, e.g. "--backend dma@32"). Each step is time-boxed and writes
 # under $OUT as it goes, so a step that runs long still leaves the others' results.
 # At most 8 files come back from the device: gpu_tests.log (machine facts first),
 # transfer.log, transfer.err, transfer_h200.json, probes.log and one JSON per probe
