@@ -13,6 +13,12 @@ layer_first page-64 allocator backups, alternating: the dma engine, the register
 backend, and a fresh auto backend over the same kernel and DMA backends. Each cell: the
 median of three medians of three after the bench's warm-up. Also logged: what auto chose,
 its samples for the shape, and how many timings it holds open.
+
+Run 29 (``probe_auto_dma_h200.json``): not reproduced. After the replay, the dma engine,
+the registered auto and a fresh auto all backed the shape up at 0.947-0.953x, auto by DMA
+(samples 52.5-53.2 GB/s). Run 30, the full bench again with the dma backend timed a second
+time after auto: auto 0.938x, dma 0.949x and 0.953x. What slowed auto's DMA backups of
+that shape in runs 20-28 is not found; it did not recur.
 Usage: python bench/probes/auto_dma.py OUT.json [--tokens N]
 """
 

@@ -15,8 +15,12 @@ nothing; the zero-copy kernel lost 0.01-0.05x on single tokens (MLA page_first
 backup 0.87x -> 0.82x) and gained only on page_head loads (0.68x -> 0.80x). Since
 then only the DMA backend sorts (``DMAConfig.sort_slots``), and this probe A/Bs it,
 sorting whatever the copy size (the default now sorts only copies under
-``DMAConfig.sort_below``). Run 28 adds MLA page_first page-64 scattered pages, which
-the full runs had slower in host-slot order.
+``DMAConfig.sort_below``). Run 28 added MLA page_first page-64 scattered pages, which
+the full runs had slower in host-slot order (``probe_slot_order_h200.json``): sorted they
+ran 0.871x against 0.925x as given (backup), 0.904x against 0.954x (load) and 0.757x
+against 0.86x of the duplex limit (both); sorting still gained where copies are small
+(MLA layer_first page-64 backup 0.70x -> 0.745x, MHA page_first page-1 backup 0.75x ->
+0.883x). Hence ``sort_below`` (1 MiB).
 Usage: python bench/probes/slot_order.py OUT.json [--tokens N]
 """
 

@@ -78,8 +78,8 @@ class DMAConfig:
     Small copies gain from it (scattered layer_first page-64 backups +0.05-0.10x,
     H200 run 25); copies of 1 MiB or more already run at the link's pace
     (``probe_copy_size_h200.json``), and MLA page_first page-64 scattered pages
-    (4.5 MB copies) ran 0.80-0.87x in that order (run 27) where runs 22-24 gave
-    0.91-0.93x as given.
+    (4.5 MB copies) ran slower in that order: backups 0.87x against 0.925x as
+    given, loads 0.90x against 0.95x (run 28, ``probe_slot_order_h200.json``).
     """
 
     staging_bytes: int = 128 * MiB
