@@ -153,3 +153,20 @@ def test_the_background_thread_gives_way_to_a_load_being_prepared_but_never_for_
         t0 = time.perf_counter()
         backup_thread()
         assert engine_mod.GIVE_WAY_S * 0.9 <= time.perf_counter() - t0 < 10 * engine_mod.GIVE_WAY_S
+
+
+def test_bench_rounds_time_every_row_that_many_times_and_report_the_median():
+    from kvtier.bench.transfer import run_bench
+    seen = []
+
+    def on_row(rows, groups=None, picks=None, final=False, samples="", rounds=None):
+        if not final:
+            seen.append((rows[-1], rounds))
+    rows = run_bench(256, 1, ("direct",), ("mla",), (16,), 4, progress=False, on_row=on_row, rounds=3)
+    timed = [r for r in rows if r.kind != "all"]
+    assert len(timed) == len(seen) == 2 * 2 * 3   # layouts x host slots x directions
+    for row, rounds in seen:
+        assert len(rounds) == 3 and all(g > 0 for g in rounds)
+        assert abs(row.gbps - float(np.median(rounds))) <= 0.011   # both rounded to 0.01
+    res = CliRunner().invoke(main, ["bench", "transfer", "--quick", "--rounds", "0"])
+    assert res.exit_code != 0 and "--rounds >= 1" in res.output

@@ -194,7 +194,7 @@ def measure(case: Case, engine: TransferEngine, direction: str, idx, clock: Cloc
 
 
 def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_sizes, layers, progress=True,
-              on_row=None) -> list[Row]:
+              on_row=None, rounds: int = 1) -> list[Row]:
     """Time every combination; ``on_row(rows, groups, picks)`` is called after each row (partial
     results survive), and once more with ``final=True`` when the limits, measured again at
     the end (the higher of the two counts), have been applied to every row's ratio.
@@ -202,6 +202,11 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
     ``groups`` is the layers-per-copy of a DMA load row (None otherwise), ``picks`` what auto
     chose during the row (``{(direction, backend): transfers}``, warm-up included), for the log;
     ``samples`` the timed samples auto holds for the shapes the row added to (:func:`sample_note`).
+    ``rounds``: each case's backends and directions are timed that many times over, in turn,
+    and a row is the median of its rounds (``on_row`` also gets them, ``rounds=[GB/s, ...]``).
+    The same backend timed twice in one H200 run moved by up to 0.085x one way and 0.13x
+    for a backup and a load at once (run 30): rounds in turn spread what drifts over every
+    backend alike.
     """
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -209,7 +214,7 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
     clock = Clock(cuda)
     rng = np.random.default_rng(0)
     combos = [(k, lay, ps) for k in kinds for lay in SUPPORTED[k] for ps in page_sizes]
-    total = len(combos) * 2 * len(DIRECTIONS) * len(backends)
+    total = len(combos) * 2 * len(DIRECTIONS) * len(backends) * rounds
     rows: list[Row] = []
     bar = tqdm(total=total, desc="bench transfer", disable=not progress)
     limits = None
@@ -225,27 +230,39 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                                 round(limits[key] / limits[direction], 3), 0))
         for scattered in (False, True):
             idx = case.indices(scattered, rng)
-            for backend in backends:
-                if cuda and backend == "direct" and ps == 1:
-                    bar.update(len(DIRECTIONS))  # one copy per slot and layer: minutes, and says nothing new
-                    continue
-                name, quota = parse_backend(backend)
-                engine = TransferEngine(case.host, name, block_quota=quota)
-                for direction in DIRECTIONS:
-                    bar.set_postfix_str(f"{kind} {layout} p{ps} {direction} {backend}")
-                    before = Counter(getattr(engine.backend, "picks", {}))
-                    seen = sample_counts(engine.backend)
-                    gbps = measure(case, engine, direction, idx, clock, reps)
-                    sms = getattr(engine.backend, "last_blocks", 0)
-                    groups = load_groups(engine.backend) if direction == "load" else None
-                    picks = Counter(getattr(engine.backend, "picks", {})) - before
-                    lim = limits[direction]
-                    rows.append(Row(kind, layout, ps, direction, backend,
-                                    "scattered" if scattered else "allocator",
-                                    round(gbps, 2), round(lim, 2), round(gbps / lim, 3), sms))
-                    bar.update()
-                    if on_row:
-                        on_row(rows, groups, picks, samples=sample_note(engine.backend, seen))
+            # one copy per slot and layer: minutes, and says nothing new
+            timed = [b for b in backends if not (cuda and b == "direct" and ps == 1)]
+            bar.update(len(DIRECTIONS) * rounds * (len(backends) - len(timed)))
+            engines = {}
+            for b in timed:
+                name, quota = parse_backend(b)
+                engines[b] = TransferEngine(case.host, name, block_quota=quota)
+            got: dict[tuple[str, str], list[float]] = {}
+            picks: dict[tuple[str, str], Counter] = {}
+            for rnd in range(rounds):
+                for backend, engine in engines.items():
+                    for direction in DIRECTIONS:
+                        bar.set_postfix_str(f"{kind} {layout} p{ps} {direction} {backend}")
+                        before = Counter(getattr(engine.backend, "picks", {}))
+                        seen = sample_counts(engine.backend)
+                        got.setdefault((backend, direction), []).append(measure(case, engine, direction, idx,
+                                                                                clock, reps))
+                        picks[(backend, direction)] = (picks.get((backend, direction), Counter())
+                                                       + (Counter(getattr(engine.backend, "picks", {})) - before))
+                        bar.update()
+                        if rnd < rounds - 1:
+                            continue
+                        gbps = float(np.median(got[(backend, direction)]))
+                        sms = getattr(engine.backend, "last_blocks", 0)
+                        groups = load_groups(engine.backend) if direction == "load" else None
+                        lim = limits[direction]
+                        rows.append(Row(kind, layout, ps, direction, backend,
+                                        "scattered" if scattered else "allocator",
+                                        round(gbps, 2), round(lim, 2), round(gbps / lim, 3), sms))
+                        if on_row:
+                            extra = {"rounds": [round(g, 2) for g in got[(backend, direction)]]} if rounds > 1 else {}
+                            on_row(rows, groups, picks[(backend, direction)],
+                                   samples=sample_note(engine.backend, seen), **extra)
         case.host.close()
         del case
     bar.close()
@@ -319,6 +336,8 @@ def table(rows: list[Row]) -> str:
 @click.command("transfer")
 @click.option("--tokens", type=int, default=8192, show_default=True, help="tokens per transfer")
 @click.option("--reps", type=int, default=3, show_default=True, help="timed runs per row (median; at least 5 for backup and load at once)")
+@click.option("--rounds", type=int, default=1, show_default=True,
+              help="time each case's backends and directions this many times over, in turn; a row is the median")
 @click.option("--backend", "backends", multiple=True, default=("direct", "kernel", "dma", "auto"),
               show_default=True, help="backends to time (CUDA); only direct runs on the CPU")
 @click.option("--kind", "kinds", multiple=True, default=tuple(SHAPES), show_default=True)
@@ -328,19 +347,21 @@ def table(rows: list[Row]) -> str:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the rows as JSON here")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="draw every row's ratio against the targets here (PNG)")
-def transfer(tokens, reps, backends, kinds, page_sizes, quick, verbose, json_path, plot_path):
+def transfer(tokens, reps, rounds, backends, kinds, page_sizes, quick, verbose, json_path, plot_path):
     """Transfer bandwidth of every backend, kind, layout and page size, as a ratio to the limit."""
     for k in kinds:
         if k not in SHAPES:
             raise click.BadParameter(f"unknown kind {k!r}; use one of {list(SHAPES)}", param_hint="--kind")
     if tokens < 64 or reps < 1:
         raise click.BadParameter(f"need --tokens >= 64 and --reps >= 1, got {tokens} and {reps}")
+    if rounds < 1:
+        raise click.BadParameter(f"need --rounds >= 1 (1: each row timed once), got {rounds}", param_hint="--rounds")
     layers = 4 if quick else None
     if quick:
         tokens, reps = 256, 1
     start = time.perf_counter()
 
-    def save(rows, groups=None, picks=None, final=False, samples=""):
+    def save(rows, groups=None, picks=None, final=False, samples="", rounds=None):
         if verbose and final:
             lim = {r.direction: r.gbps for r in rows if r.kind == "all"}
             click.echo(f"limits, best of the start and the end of the run: {lim}", err=True)
@@ -351,13 +372,15 @@ def transfer(tokens, reps, backends, kinds, page_sizes, quick, verbose, json_pat
                 extra += " picks=" + ",".join(f"{d}:{c}x{n}" for (d, c), n in sorted(picks.items()))
             if samples:
                 extra += f" samples=[{samples}]"
+            if rounds:
+                extra += f" rounds={rounds}"
             click.echo(f"[{time.perf_counter() - start:6.1f}s] {r.kind} {r.layout} p{r.page_size} {r.direction} "
                        f"{r.host_slots} {r.backend}: {r.gbps} GB/s ({r.ratio}x) sms={r.sms}{extra}", err=True)
         if json_path:
             with open(json_path, "w") as f:
                 json.dump([asdict(r) for r in rows], f, indent=1)
 
-    rows = run_bench(tokens, reps, tuple(backends), kinds, page_sizes, layers, on_row=save)
+    rows = run_bench(tokens, reps, tuple(backends), kinds, page_sizes, layers, on_row=save, rounds=rounds)
     if verbose and torch.cuda.is_available():
         from ..transfer.base import get_backend
         for key, rate in get_backend("dma", torch.device("cuda")).group_rates.items():
