@@ -24,14 +24,12 @@ Usage: python bench/probes/auto_dma.py OUT.json [--tokens N]
 
 from __future__ import annotations
 
-import numpy as np
-import torch
 
-from kvtier.bench.transfer import DIRECTIONS, Case, Clock, contiguous_limit, measure
+from kvtier.bench.transfer import DIRECTIONS, Case, measure
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.auto import AutoBackend
 from kvtier.transfer.gpu import DMA, KERNEL
-from probelib import JsonLog, args
+from probelib import JsonLog, args, cell, start
 
 PATH, TOKENS = args("/tmp/probe_auto_dma.json")
 log = JsonLog(PATH, tokens=TOKENS)
@@ -54,11 +52,8 @@ def bench_rows(kind, layout, ps, clock, rng, limits):
 
 
 def main():
-    clock = Clock(True)
-    limits = contiguous_limit(1 << 30, clock, 5)
+    clock, limits, rng = start(log)
     limits["both"] = (limits["backup"] + limits["load"]) / 2
-    log("limit_gbps", {k: round(v, 2) for k, v in limits.items()})
-    rng = np.random.default_rng(0)
     for kind, layout, ps in (("mha", "layer_first", 64), ("mla", "layer_first", 1)):
         log(f"replayed {kind}/{layout}/p{ps}", bench_rows(kind, layout, ps, clock, rng, limits))
     case = Case("mla", "layer_first", 64, TOKENS, "cuda", None)
@@ -70,8 +65,7 @@ def main():
     for _ in range(3):
         for name, eng in engines.items():
             times[name].append(measure(case, eng, "backup", idx, clock, 3))
-    row = {name: {"gbps": round(float(np.median(g)), 2), "ratio": round(float(np.median(g)) / limits["backup"], 3),
-                  "samples": [round(x, 2) for x in g]} for name, g in times.items()}
+    row = {name: cell(g, limits["backup"]) for name, g in times.items()}
     for name in ("auto", "fresh auto"):
         b = engines[name].backend
         row[name]["last_choice"] = list(b.last_choice)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 
@@ -34,3 +35,20 @@ def transfer(engine, h, d, to_host: bool) -> None:
     else:
         ld = engine.load(h, d)
         ld.wait_layer(ld.layer_num - 1)
+
+
+def cell(samples: list[float], limit: float) -> dict:
+    """One A/B cell: the median GB/s of ``samples``, its ratio to ``limit``, and the samples."""
+    gbps = statistics.median(samples)
+    return {"gbps": round(gbps, 2), "ratio": round(gbps / limit, 3), "samples": [round(x, 2) for x in samples]}
+
+
+def start(log: JsonLog, nbytes: int = 1 << 30):
+    """What an A/B probe starts with: a device clock, the contiguous limits (logged), a seeded rng."""
+    import numpy as np
+
+    from kvtier.bench.transfer import Clock, contiguous_limit
+    clock = Clock(True)
+    limits = contiguous_limit(nbytes, clock, 5)
+    log("limit_gbps", {k: round(v, 2) for k, v in limits.items()})
+    return clock, limits, np.random.default_rng(0)

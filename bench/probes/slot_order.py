@@ -26,13 +26,12 @@ Usage: python bench/probes/slot_order.py OUT.json [--tokens N]
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from kvtier.bench.transfer import Case, Clock, contiguous_limit, measure
+from kvtier.bench.transfer import Case, measure
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.dma import DMABackend, DMAConfig
-from probelib import JsonLog, args
+from probelib import JsonLog, args, cell, start
 
 PATH, TOKENS = args("/tmp/probe_slot_order.json")
 log = JsonLog(PATH, tokens=TOKENS)
@@ -49,10 +48,7 @@ CASES = [  # kind, layout, page size, directions (all by DMA)
 
 
 def main():
-    clock = Clock(True)
-    limits = contiguous_limit(1 << 30, clock, 5)
-    log("limit_gbps", {k: round(v, 2) for k, v in limits.items()})
-    rng = np.random.default_rng(0)
+    clock, limits, rng = start(log)
     for kind, layout, ps, directions in CASES:
         case = Case(kind, layout, ps, TOKENS, "cuda", None)
         idx = case.indices(True, rng)
@@ -67,10 +63,7 @@ def main():
                 for order, eng in engines.items():
                     times[order].append(measure(case, eng, direction, idx, clock, 3))
             limit = limits["duplex" if direction == "both" else direction]
-            row = {("sorted" if order else "as given"): {"gbps": round(float(np.median(g)), 2),
-                                                        "ratio": round(float(np.median(g)) / limit, 3),
-                                                        "samples": [round(x, 2) for x in g]}
-                   for order, g in times.items()}
+            row = {("sorted" if order else "as given"): cell(g, limit) for order, g in times.items()}
             log(f"{kind}/{layout}/p{ps}/{direction}/dma", row)
         del engines, case
         torch.cuda.empty_cache()

@@ -21,13 +21,12 @@ Usage: python bench/probes/split_engines.py OUT.json [--tokens N]
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from kvtier.bench.transfer import Case, Clock, contiguous_limit
+from kvtier.bench.transfer import Case
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.dma import DMABackend, DMAConfig
-from probelib import JsonLog, args
+from probelib import JsonLog, args, cell, start
 
 PATH, TOKENS = args("/tmp/probe_split_engines.json")
 log = JsonLog(PATH, tokens=TOKENS)
@@ -56,10 +55,7 @@ def split_transfer(engines, h, d, k: int, to_host: bool) -> None:
 
 
 def main():
-    clock = Clock(True)
-    limits = contiguous_limit(1 << 30, clock, 5)
-    log("limit_gbps", {k: round(v, 2) for k, v in limits.items()})
-    rng = np.random.default_rng(0)
+    clock, limits, rng = start(log)
     for kind, layout, ps, direction in CASES:
         case = Case(kind, layout, ps, TOKENS, "cuda", None)
         h, d, _, _ = case.indices(True, rng)
@@ -74,10 +70,7 @@ def main():
                 t = clock.median(lambda: split_transfer(engines, h, d, k, to_host), 3, 1)
                 times[f].append(case.nbytes / t / 1e9)
         limit = limits[direction]
-        row = {f"dma {f:.2f}": {"gbps": round(float(np.median(g)), 2),
-                                "ratio": round(float(np.median(g)) / limit, 3),
-                                "samples": [round(x, 2) for x in g]}
-               for f, g in times.items()}
+        row = {f"dma {f:.2f}": cell(g, limit) for f, g in times.items()}
         log(f"{kind}/{layout}/p{ps}/{direction}", row)
         del engines, case
         torch.cuda.empty_cache()
