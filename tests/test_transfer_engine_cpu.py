@@ -168,5 +168,8 @@ def test_bench_rounds_time_every_row_that_many_times_and_report_the_median():
     for row, rounds in seen:
         assert len(rounds) == 3 and all(g > 0 for g in rounds)
         assert abs(row.gbps - float(np.median(rounds))) <= 0.011   # both rounded to 0.01
+    from kvtier.bench.transfer import round_order
+    assert [round_order(["kernel", "dma", "auto"], r) for r in range(3)] == [
+        ["kernel", "dma", "auto"], ["auto", "dma", "kernel"], ["kernel", "dma", "auto"]]
     res = CliRunner().invoke(main, ["bench", "transfer", "--quick", "--rounds", "0"])
     assert res.exit_code != 0 and "--rounds >= 1" in res.output

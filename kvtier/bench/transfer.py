@@ -202,10 +202,11 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
     ``groups`` is the layers-per-copy of a DMA load row (None otherwise), ``picks`` what auto
     chose during the row (``{(direction, backend): transfers}``, warm-up included), for the log;
     ``samples`` the timed samples auto holds for the shapes the row added to (:func:`sample_note`).
-    ``rounds``: each case's backends and directions are timed that many times over, in turn,
-    and a row is the median of its rounds (``on_row`` also gets them, ``rounds=[GB/s, ...]``).
-    The same backend timed twice in one H200 run moved by up to 0.085x one way and 0.13x
-    for a backup and a load at once (run 30): rounds in turn spread what drifts over every
+    ``rounds``: each case's backends and directions are timed that many times over, in turn
+    (:func:`round_order`), and a row is the median of its rounds (``on_row`` also gets them,
+    ``rounds=[GB/s, ...]``). The same backend timed twice in one H200 run moved by up to 0.085x
+    one way and 0.13x for a backup and a load at once, and pairs drifted down as a case was
+    timed (run 30: the second timing 0.05x lower, median): rounds spread that over every
     backend alike.
     """
     cuda = torch.cuda.is_available()
@@ -239,8 +240,10 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                 engines[b] = TransferEngine(case.host, name, block_quota=quota)
             got: dict[tuple[str, str], list[float]] = {}
             picks: dict[tuple[str, str], Counter] = {}
+            last: dict[tuple[str, str], tuple] = {}
             for rnd in range(rounds):
-                for backend, engine in engines.items():
+                for backend in round_order(list(engines), rnd):
+                    engine = engines[backend]
                     for direction in DIRECTIONS:
                         bar.set_postfix_str(f"{kind} {layout} p{ps} {direction} {backend}")
                         before = Counter(getattr(engine.backend, "picks", {}))
@@ -250,19 +253,22 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                         picks[(backend, direction)] = (picks.get((backend, direction), Counter())
                                                        + (Counter(getattr(engine.backend, "picks", {})) - before))
                         bar.update()
-                        if rnd < rounds - 1:
-                            continue
-                        gbps = float(np.median(got[(backend, direction)]))
-                        sms = getattr(engine.backend, "last_blocks", 0)
-                        groups = load_groups(engine.backend) if direction == "load" else None
-                        lim = limits[direction]
-                        rows.append(Row(kind, layout, ps, direction, backend,
-                                        "scattered" if scattered else "allocator",
-                                        round(gbps, 2), round(lim, 2), round(gbps / lim, 3), sms))
-                        if on_row:
-                            extra = {"rounds": [round(g, 2) for g in got[(backend, direction)]]} if rounds > 1 else {}
-                            on_row(rows, groups, picks[(backend, direction)],
-                                   samples=sample_note(engine.backend, seen), **extra)
+                        if rnd == rounds - 1:  # what the row reports, besides its GB/s
+                            last[(backend, direction)] = (
+                                getattr(engine.backend, "last_blocks", 0),
+                                load_groups(engine.backend) if direction == "load" else None,
+                                sample_note(engine.backend, seen))
+            # Rows in the backends' given order, whatever order the last round ran in.
+            for backend in engines:
+                for direction in DIRECTIONS:
+                    g = got[(backend, direction)]
+                    sms, groups, samples = last[(backend, direction)]
+                    gbps, lim = float(np.median(g)), limits[direction]
+                    rows.append(Row(kind, layout, ps, direction, backend, "scattered" if scattered else "allocator",
+                                    round(gbps, 2), round(lim, 2), round(gbps / lim, 3), sms))
+                    if on_row:
+                        extra = {"rounds": [round(x, 2) for x in g]} if rounds > 1 else {}
+                        on_row(rows, groups, picks[(backend, direction)], samples=samples, **extra)
         case.host.close()
         del case
     bar.close()
@@ -276,6 +282,12 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
         if on_row:
             on_row(rows, None, None, final=True)
     return rows
+
+
+def round_order(backends: list[str], rnd: int) -> list[str]:
+    """The order backends are timed in round ``rnd``: as given, then reversed, alternately, so
+    a drift through a case's timings weighs on each backend alike over two rounds."""
+    return backends if rnd % 2 == 0 else backends[::-1]
 
 
 def _with_limits(r: Row, limits: dict) -> Row:
@@ -337,7 +349,7 @@ def table(rows: list[Row]) -> str:
 @click.option("--tokens", type=int, default=8192, show_default=True, help="tokens per transfer")
 @click.option("--reps", type=int, default=3, show_default=True, help="timed runs per row (median; at least 5 for backup and load at once)")
 @click.option("--rounds", type=int, default=1, show_default=True,
-              help="time each case's backends and directions this many times over, in turn; a row is the median")
+              help="time each case's backends and directions this many times over, in turn (every other round in reverse); a row is the median")
 @click.option("--backend", "backends", multiple=True, default=("direct", "kernel", "dma", "auto"),
               show_default=True, help="backends to time (CUDA); only direct runs on the CPU")
 @click.option("--kind", "kinds", multiple=True, default=tuple(SHAPES), show_default=True)
