@@ -20,15 +20,21 @@ the full runs had slower in host-slot order (``probe_slot_order_h200.json``): so
 ran 0.871x against 0.925x as given (backup), 0.904x against 0.954x (load) and 0.757x
 against 0.86x of the duplex limit (both); sorting still gained where copies are small
 (MLA layer_first page-64 backup 0.70x -> 0.745x, MHA page_first page-1 backup 0.75x ->
-0.883x). Hence ``sort_below`` (1 MiB).
+0.883x). Hence ``sort_below`` (1 MiB). A third arm for that shape tests why: sorted, with every 1-D
+copy cut into pieces of one page (4.5 MB), as the copies are as given (sorted, merged runs
+make copies of 4.5-36 MB, uneven per chunk).
 Usage: python bench/probes/slot_order.py OUT.json [--tokens N]
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+
+import numpy as np
 import torch
 
 from kvtier.bench.transfer import Case, measure
+from kvtier.transfer import dma_plan
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.dma import DMABackend, DMAConfig
 from probelib import JsonLog, args, cell, start
@@ -47,27 +53,57 @@ CASES = [  # kind, layout, page size, directions (all by DMA)
 # MLA page_first page-1 load, and an MLA layer_first page-64 pair.
 
 
+PIECE = 64 * 61 * 1152  # one MLA page-64 page of every layer: 4.5 MB
+
+
+def cut(flat: np.ndarray, piece: int) -> np.ndarray:
+    """1-D copies ``(host_off, stg_off, width)`` cut into pieces of at most ``piece`` bytes."""
+    n = -(-flat[:, 2] // piece)
+    k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    width = np.repeat(flat[:, 2], n)
+    out = np.stack([np.repeat(flat[:, 0], n) + k * piece, np.repeat(flat[:, 1], n) + k * piece,
+                    np.minimum(piece, width - k * piece)], axis=1)
+    return out.astype(np.int64)
+
+
+@contextmanager
+def pieces(piece: int):
+    """While active, DMA plans cut their 1-D copies into pieces (this probe's third arm)."""
+    plain = dma_plan.split_copies
+
+    def split(copies, max_pitch, tall=None):
+        t, flat = plain(copies, max_pitch, tall)
+        return t, cut(flat, piece)
+    dma_plan.split_copies = split
+    try:
+        yield
+    finally:
+        dma_plan.split_copies = plain
+
+
 def main():
     clock, limits, rng = start(log)
     for kind, layout, ps, directions in CASES:
         case = Case(kind, layout, ps, TOKENS, "cuda", None)
         idx = case.indices(True, rng)
+        arms = {"sorted": True, "as given": False}
+        if (kind, layout) == ("mla", "page_first"):
+            arms["sorted, 4.5 MB pieces"] = True
         engines = {}
-        for order in (True, False):
-            engines[order] = TransferEngine(case.host, "dma")
+        for arm, order in arms.items():
+            engines[arm] = TransferEngine(case.host, "dma")
             # sorted whatever the copy size (sort_below: the default sorts only small copies)
-            engines[order].backend = DMABackend(DMAConfig(sort_slots=order, sort_below=1 << 62))
+            engines[arm].backend = DMABackend(DMAConfig(sort_slots=order, sort_below=1 << 62))
         for direction in directions:
-            times = {True: [], False: []}
+            times = {arm: [] for arm in arms}
             for _ in range(3):
-                for order, eng in engines.items():
-                    times[order].append(measure(case, eng, direction, idx, clock, 3))
+                for arm, eng in engines.items():
+                    with pieces(PIECE) if "pieces" in arm else nullcontext():
+                        times[arm].append(measure(case, eng, direction, idx, clock, 3))
             limit = limits["duplex" if direction == "both" else direction]
-            row = {("sorted" if order else "as given"): cell(g, limit) for order, g in times.items()}
-            log(f"{kind}/{layout}/p{ps}/{direction}/dma", row)
+            log(f"{kind}/{layout}/p{ps}/{direction}/dma", {arm: cell(g, limit) for arm, g in times.items()})
         del engines, case
         torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     main()
