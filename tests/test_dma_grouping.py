@@ -285,16 +285,17 @@ def test_word_plan_from_the_cached_layer_gcd_is_the_plan_from_every_address(offs
 
 
 @given(n_pages=st.integers(0, 60), ps=st.sampled_from([1, 4, 64]), seed=st.integers(0, 2**16),
-       whole=st.booleans(), repeat=st.booleans())
-def test_host_order_sorts_slots_and_keeps_pages_whole(n_pages, ps, seed, whole, repeat):
+       whole=st.booleans(), repeat=st.booleans(), offset=st.sampled_from([0, 2**58]))
+def test_host_order_sorts_slots_and_keeps_pages_whole(n_pages, ps, seed, whole, repeat, offset):
     """host_order: a permutation that sorts the host slots; whole pages move as a block, in
-    order; slots already ascending need none. sorted_slots gives the slots in that order
-    (without the permutation), also where a load repeats slots."""
+    order; slots already ascending need none; slots repeated in a load keep their order among
+    themselves. sorted_slots gives the slots in that order. Slots too large to pack with their
+    positions (``offset``) take the argsort path, with the same answer."""
     rng = np.random.default_rng(seed)
     pages = rng.permutation(128)[:n_pages]
     if repeat and pages.size:
         pages = rng.choice(pages, pages.size)
-    host = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
+    host = (pages[:, None] * ps + np.arange(ps)).reshape(-1) + offset
     if not whole and host.size:
         host = rng.permutation(host)
     order, values = host_order(host, ps), sorted_slots(host, ps)
@@ -305,6 +306,10 @@ def test_host_order_sorts_slots_and_keeps_pages_whole(n_pages, ps, seed, whole, 
     keys = np.diff(host[order][::ps] if whole else host[order])   # whole pages: by first slot
     assert (keys >= 0).all() and ((keys > 0).all() or repeat)
     assert np.array_equal(host[order], values)
+    keys_at = host[order][::ps] if whole else host[order]
+    pos_at = order[::ps] if whole else order
+    same = np.diff(keys_at) == 0
+    assert (np.diff(pos_at)[same] > 0).all()   # equal slots (or pages) in the caller's order
     if whole:   # each page's slots stay in their order, next to each other
         assert (order.reshape(-1, ps) // ps == (order.reshape(-1, ps)[:, :1] // ps)).all()
         assert (values.reshape(-1, ps) == values.reshape(-1, ps)[:, :1] + np.arange(ps)).all()
@@ -412,10 +417,39 @@ def test_slot_pairs_are_sorted_only_where_some_parts_copies_would_be_small(layou
     bound = min(mean_copy_bound(p.host, scattered, p.layer_num, DMAConfig().staging_bytes, runs=runs) for p in parts)
     for below, want_sorted in ((int(bound) + 1, True), (int(bound), False)):
         dma = DMABackend(DMAConfig(sort_below=below))
-        s_np, s_runs = dma.in_host_order(parts, scattered, runs)
-        assert (s_np is not scattered) == want_sorted
+        s_np, s_runs, order = dma.in_host_order(parts, scattered, runs)
+        assert (s_np is not scattered) == want_sorted == (order is not None)
         assert np.array_equal(s_np, np.sort(scattered) if want_sorted else scattered) and s_runs == Runs.of(s_np)
+        assert order is None or np.array_equal(scattered[order], s_np)
     one_run = np.arange(64, 320, dtype=np.int64)
     assert DMABackend(DMAConfig(sort_below=1 << 62)).in_host_order(parts, one_run, Runs.of(one_run))[0] is one_run
     assert DMABackend(DMAConfig(sort_slots=False, sort_below=1 << 62)).in_host_order(parts, scattered, runs)[0] \
         is scattered
+
+
+def test_dma_parts_get_the_slot_pairs_in_host_order_and_kernel_parts_the_callers():
+    """runner_for (the step before queueing, CPU-checkable here): with some part by DMA, the
+    pairs handed on are the caller's pairs permuted into host-slot order, and the kernel keeps
+    the caller's; with every part by the kernel, or nothing sorted, the caller's pairs alone."""
+    pytest.importorskip("triton")
+    from kvtier.device_pool import pool_from_spec
+    from kvtier.host_pool import host_pool_for
+    from kvtier.transfer.dma import DMABackend, DMAConfig
+    spec = KVSpec("mla", 4, torch.bfloat16, kv_lora_rank=64, qk_rope_head_dim=16)
+    host = host_pool_for(pool_from_spec(spec, 512, 16, "cpu"), "layer_first", host_size_tokens=512)
+    parts = host.transfer_parts()
+    h = (np.array([9, 2, 5, 14, 3])[:, None] * 16 + np.arange(16)).reshape(-1)
+    d = torch.from_numpy(np.random.default_rng(0).permutation(512)[:h.size].astype(np.int64))
+    dma = DMABackend(DMAConfig(sort_below=1 << 62))
+    handed = []
+    dma.runner = lambda parts, plans, hh, dd, quota=None, kernel_idx=None: handed.append((hh, dd, kernel_idx))
+    s_np, runs, order = dma.in_host_order(parts, h, Runs.of(h))
+    dma.runner_for(parts, ["a DMA plan"], order, s_np, torch.from_numpy(h), d)
+    hh, dd, kernel_idx = handed.pop()
+    assert (np.diff(hh.numpy()) > 0).all()
+    assert sorted(zip(hh.tolist(), dd.tolist())) == sorted(zip(h.tolist(), d.tolist()))
+    assert np.array_equal(kernel_idx[0].numpy(), h) and kernel_idx[1] is d
+    for plans, o in (([None], order), (["a DMA plan"], None)):
+        dma.runner_for(parts, plans, o, s_np, torch.from_numpy(h), d)
+        hh, dd, kernel_idx = handed.pop()
+        assert np.array_equal(hh.numpy(), h) and dd is d and kernel_idx is None

@@ -209,14 +209,14 @@ class AutoBackend(Backend):
         self.timings.harvest(self.chooser)
         key = base + (DUPLEX,) if self.timings.sharing(to_host) else base
         candidates = self._candidates.get(base)
-        dma_slots = []  # the host slots in the DMA backend's order and their runs, if DMA needs them
+        dma_slots = []  # the host slots in the DMA backend's order, their runs and the order, if DMA needs them
 
         def for_dma():
             if not dma_slots:
                 dma_slots.extend(self.dma.in_host_order(parts, host_np, runs))
             return dma_slots
         if candidates is None:  # first transfer of this shape: rank by the prior
-            s_np, s_runs = for_dma()
+            s_np, s_runs, _ = for_dma()
             ranking = [self.dma.plan_part(p, s_np, to_host, whole, s_runs) for p in parts]
             candidates = self._candidates[base] = self.ranked(parts, ranking, host_np.size, to_host)
             # Ranking plans every chunk up front (5-15 ms for 32k scattered slots), once per
@@ -229,9 +229,9 @@ class AutoBackend(Backend):
         self.picks[("backup" if to_host else "load", choice)] += 1
         # DMA plans are made only for DMA (chunk by chunk as the chunks are queued).
         if choice == "dma":
-            s_np, s_runs = for_dma()
+            s_np, s_runs, order = for_dma()
             plans = [self.dma.plan_part(p, s_np, to_host, whole, s_runs) for p in parts]
-            inner = self.dma.runner_for(parts, plans, host_np, s_np, host_idx, dev_idx, block_quota)
+            inner = self.dma.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota)
         else:
             plans = [None] * len(parts)
             inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota)

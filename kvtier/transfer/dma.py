@@ -34,9 +34,9 @@ import torch
 
 from .base import Backend, TransferPart, between_chunks
 from .cudart import has_batch, memcpy2d, memcpy_batch
-from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, LayerChunkedPlan, Runs, choose_group,
-                       dma_capable, grouped_plan, host_order, layer_major, mean_copy_bound, narrow_layer_rows,
-                       run_class, sorted_slots)
+from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, HostOrder, LayerChunkedPlan, Runs,
+                       choose_group, dma_capable, grouped_plan, layer_major, mean_copy_bound, narrow_layer_rows,
+                       run_class)
 from .kernel import KernelBackend, PartTables, check_mapped, host_numpy, on_device
 from .timing import event_seconds
 from .triton_kernels import copy_items
@@ -72,7 +72,7 @@ class DMAConfig:
     copies 2.6 and 5.4, 128 KiB copies 46-49; the kernel moved any row of
     256 B or more at 36-50 (``bench/results/probe_copy_paths_h200.json``).
     0 keeps every part on the copy engines. ``sort_slots``: move a transfer's
-    slot pairs in host-slot order (:func:`~.dma_plan.host_order`; parts that go
+    slot pairs in host-slot order (:class:`~.dma_plan.HostOrder`; parts that go
     through the kernel keep the caller's order) where, as given, some part's
     copies would average fewer than ``sort_below`` bytes (the bound above).
     Small copies gain from it (scattered layer_first page-64 backups +0.05-0.10x,
@@ -275,31 +275,30 @@ class DMABackend(Backend):
         for part in parts:
             check_mapped(part)
         host_np = host_numpy(host_idx) if host_np is None else host_np
-        s_np, runs = self.in_host_order(parts, host_np, Runs.of(host_np))
+        s_np, runs, order = self.in_host_order(parts, host_np, Runs.of(host_np))
         plans = [self.plan_part(p, s_np, to_host, whole, runs) for p in parts]
-        return self.runner_for(parts, plans, host_np, s_np, host_idx, dev_idx, block_quota)
+        return self.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota)
 
-    def in_host_order(self, parts, host_np: np.ndarray, runs: Runs) -> tuple[np.ndarray, Runs]:
-        """``(slots, their runs)`` to plan with: ``host_np`` in host-slot order
-        (:func:`~.dma_plan.sorted_slots`) where ``DMAConfig.sort_slots`` and, as given, some
-        part's copies would average under ``DMAConfig.sort_below`` bytes; else ``host_np``
-        and ``runs`` (:meth:`Runs.of` ``host_np``) themselves."""
+    def in_host_order(self, parts, host_np: np.ndarray, runs: Runs) -> tuple[np.ndarray, Runs, np.ndarray | None]:
+        """``(slots, their runs, order)`` to plan with: ``host_np`` in host-slot order
+        (:class:`~.dma_plan.HostOrder`; ``order`` the permutation) where ``DMAConfig.sort_slots``
+        and, as given, some part's copies would average under ``DMAConfig.sort_below`` bytes;
+        else ``host_np``, ``runs`` (:meth:`Runs.of` ``host_np``) and None."""
         if not self.config.sort_slots or runs.single:
-            return host_np, runs
+            return host_np, runs, None
         small = any(mean_copy_bound(p.host, host_np, p.layer_num, self.config.staging_bytes, runs=runs)
                     < self.config.sort_below for p in parts)
-        s_np = sorted_slots(host_np, parts[0].host.page_size) if small else None
-        return (host_np, runs) if s_np is None else (s_np, Runs.of(s_np))
+        o = HostOrder.of(host_np, parts[0].host.page_size) if small else None
+        return (host_np, runs, None) if o is None else (o.slots, Runs.of(o.slots), o.order)
 
-    def runner_for(self, parts, plans, host_np: np.ndarray, s_np: np.ndarray, host_idx: torch.Tensor,
+    def runner_for(self, parts, plans, order: np.ndarray | None, s_np: np.ndarray, host_idx: torch.Tensor,
                    dev_idx: torch.Tensor, block_quota: int | None = None):
-        """:meth:`runner` for ``plans`` made with ``s_np = in_host_order(host_np)``: DMA parts move
-        the slot pairs in that order, kernel parts in the caller's. The permutation of the device
-        slots is worked out only here, and only when some part goes by DMA: where every part
-        goes through the kernel (single scattered tokens) the transfer pays for a plain sort only."""
-        if s_np is host_np or all(p is None for p in plans):
+        """:meth:`runner` for ``plans`` made with ``(s_np, _, order) = in_host_order(...)``: DMA
+        parts move the slot pairs in that order, kernel parts in the caller's. The device slots
+        are permuted only here, and only when some part goes by DMA."""
+        if order is None or all(p is None for p in plans):
             return self.runner(parts, plans, host_idx, dev_idx, block_quota)
-        sel = torch.from_numpy(host_order(host_np, parts[0].host.page_size))
+        sel = torch.from_numpy(order)
         dev = dev_idx.to(torch.int64)
         dev = dev[on_device(sel, dev.device)] if dev.device.type == "cuda" else dev[sel]
         return self.runner(parts, plans, torch.from_numpy(s_np), dev, block_quota, kernel_idx=(host_idx, dev_idx))

@@ -95,36 +95,57 @@ def run_class(host_idx: np.ndarray, runs: Runs | None = None) -> int:
     return (runs or Runs.of(host_idx)).mean_class
 
 
-def sorted_slots(host: np.ndarray, page_size: int) -> np.ndarray | None:
-    """``host`` in ascending order, whole pages kept together (what ``host[host_order(...)]``
-    gives); None when it already is (as an allocator hands slots out). A plain sort, about a
-    quarter of the cost of the permutation: a transfer plans with it and works out the
-    permutation (:func:`host_order`) only when some part then goes by DMA."""
-    if _ascending(host):
-        return None
-    if page_size > 1 and whole_pages(host, page_size):
-        return (np.sort(host[::page_size])[:, None] + np.arange(page_size)).reshape(-1)
-    return np.sort(host)
+@dataclass(frozen=True)
+class HostOrder:
+    """A transfer's slot pairs in host-slot order: ``order`` the permutation, ``slots`` the
+    host slots in that order (``host[order]``). Whole pages are kept together."""
+
+    order: np.ndarray
+    slots: np.ndarray
+
+    @staticmethod
+    def of(host: np.ndarray, page_size: int) -> "HostOrder | None":
+        """The order that puts ``host`` slots in ascending order, whole pages kept together;
+        None when they already are (as an allocator hands them out).
+
+        The DMA backend moves a transfer's slot pairs in this order where copies are small
+        (``DMAConfig.sort_below``): host pages scattered at random then become ascending
+        addresses, and pages that happen to be neighbours join into one run (longer, fewer
+        copies). H200 run 25 (``probe_slot_order_h200_run25.json``, half the pool's pages at
+        random): DMA backups of scattered pages 0.67-0.81x -> 0.73-0.88x. The zero-copy kernel
+        lost 0.01-0.05x on single tokens in that order, so it keeps the caller's.
+        One sort gives both: each slot (or page's first slot) shifted up with its position in
+        the low bits (0.49 ms for 32k slots on the CPU here, where an argsort took 1.16 ms and a
+        plain sort 0.44). Slots repeated in a load keep their order among themselves.
+        """
+        if _ascending(host):
+            return None
+        ps = page_size if page_size > 1 and whole_pages(host, page_size) else 1
+        keys = host[::ps].astype(np.int64)
+        bits = max(1, (keys.size - 1).bit_length())
+        if int(keys.min()) < 0 or int(keys.max()) >= 1 << (62 - bits):
+            first = np.argsort(keys, kind="stable")   # slots too large to share a word with positions
+            firsts = keys[first]
+        else:
+            packed = (keys << bits) | np.arange(keys.size, dtype=np.int64)
+            packed.sort()
+            first, firsts = packed & ((1 << bits) - 1), packed >> bits
+        if ps == 1:
+            return HostOrder(first, firsts)
+        step = np.arange(ps)
+        return HostOrder((first[:, None] * ps + step).reshape(-1), (firsts[:, None] + step).reshape(-1))
 
 
 def host_order(host: np.ndarray, page_size: int) -> np.ndarray | None:
-    """The order that puts ``host`` slots in ascending order, whole pages kept together;
-    None when they already are (as an allocator hands them out).
+    """:attr:`HostOrder.order` of ``host`` (None: already ascending)."""
+    o = HostOrder.of(host, page_size)
+    return None if o is None else o.order
 
-    The DMA backend moves a transfer's slot pairs in this order: host pages scattered
-    at random then become ascending addresses, and pages that happen to be neighbours
-    join into one run (longer, fewer copies). H200 run 25 (``probe_slot_order_h200_run25.json``,
-    half the pool's pages at random): DMA backups of scattered pages 0.67-0.81x -> 0.73-0.88x,
-    an MLA page-64 backup and load at once 74 -> 81 GB/s. The zero-copy kernel lost
-    0.01-0.05x on single tokens in that order, so it keeps the caller's. Not stable: slots
-    repeated in a load may come in any order among themselves.
-    """
-    if _ascending(host):
-        return None
-    if page_size > 1 and whole_pages(host, page_size):
-        first = np.argsort(host[::page_size])
-        return (first[:, None] * page_size + np.arange(page_size)).reshape(-1)
-    return np.argsort(host)
+
+def sorted_slots(host: np.ndarray, page_size: int) -> np.ndarray | None:
+    """:attr:`HostOrder.slots` of ``host`` (None: already ascending)."""
+    o = HostOrder.of(host, page_size)
+    return None if o is None else o.slots
 
 
 def _ascending(host: np.ndarray) -> bool:
