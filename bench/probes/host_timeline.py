@@ -125,6 +125,7 @@ def install():
     traced(engine_mod.TransferEngine, "_cuda", "engine call")
     traced(host_pool_mod.HostKVCache, "_check_indices", "index check")
     traced(dma_mod.DMABackend, "prepare", "prepare")
+    traced(dma_mod.DMABackend, "in_host_order", "host order")
     traced(dma_mod.DMABackend, "plan_part", "plan_part (bound)")
     traced(dma_mod, "on_device", "index to device")
     traced(dma_mod.DMABackend, "_backup_chunks", "backup chunk loop")
