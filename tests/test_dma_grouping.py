@@ -21,8 +21,8 @@ from kvtier.spec import KVSpec
 from hypothesis import given, settings, strategies as st
 
 from kvtier.transfer.dma_plan import (RAMP_DIV, ChunkedPlan, LayerChunkedPlan, Runs, chunk_bounds, choose_group,
-                                      group_sizes, grouped_plan, host_order, layer_bounds, layer_major,
-                                      mean_copy_bound, narrow_layer_rows, plan, sorted_slots, split_copies)
+                                      group_sizes, grouped_plan, HostOrder, layer_bounds, layer_major,
+                                      mean_copy_bound, narrow_layer_rows, plan, split_copies)
 
 PROBE = json.loads((Path(__file__).parent.parent / "bench/results/probe_host_issue_h200.json").read_text())
 MHA = KVSpec("mha", 32, torch.bfloat16, head_num=8, head_dim=128)    # llama-3-8b: 2 KiB K or V rows
@@ -287,9 +287,9 @@ def test_word_plan_from_the_cached_layer_gcd_is_the_plan_from_every_address(offs
 @given(n_pages=st.integers(0, 60), ps=st.sampled_from([1, 4, 64]), seed=st.integers(0, 2**16),
        whole=st.booleans(), repeat=st.booleans(), offset=st.sampled_from([0, 2**58]))
 def test_host_order_sorts_slots_and_keeps_pages_whole(n_pages, ps, seed, whole, repeat, offset):
-    """host_order: a permutation that sorts the host slots; whole pages move as a block, in
+    """HostOrder: a permutation that sorts the host slots; whole pages move as a block, in
     order; slots already ascending need none; slots repeated in a load keep their order among
-    themselves. sorted_slots gives the slots in that order. Slots too large to pack with their
+    themselves. ``slots`` are the host slots in that order. Slots too large to pack with their
     positions (``offset``) take the argsort path, with the same answer."""
     rng = np.random.default_rng(seed)
     pages = rng.permutation(128)[:n_pages]
@@ -298,17 +298,18 @@ def test_host_order_sorts_slots_and_keeps_pages_whole(n_pages, ps, seed, whole, 
     host = (pages[:, None] * ps + np.arange(ps)).reshape(-1) + offset
     if not whole and host.size:
         host = rng.permutation(host)
-    order, values = host_order(host, ps), sorted_slots(host, ps)
+    o = HostOrder.of(host, ps)
     if host.size < 2 or (np.diff(host) > 0).all():
-        assert order is None and values is None
+        assert o is None
         return
+    order, values = o.order, o.slots
     assert sorted(order.tolist()) == list(range(host.size))
-    keys = np.diff(host[order][::ps] if whole else host[order])   # whole pages: by first slot
+    keys_at = host[order][::ps] if whole else host[order]   # whole pages: by first slot
+    keys = np.diff(keys_at)
     assert (keys >= 0).all() and ((keys > 0).all() or repeat)
     assert np.array_equal(host[order], values)
-    keys_at = host[order][::ps] if whole else host[order]
     pos_at = order[::ps] if whole else order
-    same = np.diff(keys_at) == 0
+    same = keys == 0
     assert (np.diff(pos_at)[same] > 0).all()   # equal slots (or pages) in the caller's order
     if whole:   # each page's slots stay in their order, next to each other
         assert (order.reshape(-1, ps) // ps == (order.reshape(-1, ps)[:, :1] // ps)).all()

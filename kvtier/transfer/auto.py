@@ -14,6 +14,7 @@ kernel transfer ``bytes / kernel_bw(chunk width)``.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -209,12 +210,8 @@ class AutoBackend(Backend):
         self.timings.harvest(self.chooser)
         key = base + (DUPLEX,) if self.timings.sharing(to_host) else base
         candidates = self._candidates.get(base)
-        dma_slots = []  # the host slots in the DMA backend's order, their runs and the order, if DMA needs them
-
-        def for_dma():
-            if not dma_slots:
-                dma_slots.extend(self.dma.in_host_order(parts, host_np, runs))
-            return dma_slots
+        # The host slots in the DMA backend's order, their runs and the order: worked out once, if DMA needs them.
+        for_dma = functools.cache(lambda: self.dma.in_host_order(parts, host_np, runs))
         if candidates is None:  # first transfer of this shape: rank by the prior
             s_np, s_runs, _ = for_dma()
             ranking = [self.dma.plan_part(p, s_np, to_host, whole, s_runs) for p in parts]

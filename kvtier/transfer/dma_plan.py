@@ -136,18 +136,6 @@ class HostOrder:
         return HostOrder((first[:, None] * ps + step).reshape(-1), (firsts[:, None] + step).reshape(-1))
 
 
-def host_order(host: np.ndarray, page_size: int) -> np.ndarray | None:
-    """:attr:`HostOrder.order` of ``host`` (None: already ascending)."""
-    o = HostOrder.of(host, page_size)
-    return None if o is None else o.order
-
-
-def sorted_slots(host: np.ndarray, page_size: int) -> np.ndarray | None:
-    """:attr:`HostOrder.slots` of ``host`` (None: already ascending)."""
-    o = HostOrder.of(host, page_size)
-    return None if o is None else o.slots
-
-
 def _ascending(host: np.ndarray) -> bool:
     return host.size < 2 or bool((host[1:] > host[:-1]).all())
 

@@ -91,12 +91,9 @@ class OnlineChooser:
             for c in candidates:
                 if len(seen[c]) < self.explore:
                     return c
-            return self._top({c: score(seen[c]) for c in candidates}, candidates)
-
-    def _top(self, scores: dict, order) -> str:
-        """The first in ``order`` scoring within ``tie`` of the highest score."""
-        high = max(scores.values())
-        return next(c for c in order if c in scores and scores[c] >= (1 - self.tie) * high)
+            scores = {c: score(seen[c]) for c in candidates}   # in the prior's order
+            high = max(scores.values())
+            return next(c for c, s in scores.items() if s >= (1 - self.tie) * high)
 
     def _solo_best(self, key) -> dict:
         with self._lock:
