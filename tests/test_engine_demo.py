@@ -56,3 +56,23 @@ def test_bench_ttft_runs_on_cpu(tmp_path):
         assert r["first_tokens_equal"] == 1
         assert r["recompute_ttft_s"] > 0 and r["host_hit_ttft_s"] > 0 and r["copy_limit_gbps"] > 0
     assert doc["cache_metrics"]["direct"]["hit_tokens_total.host"] >= 128 + 256
+
+
+def test_bench_ttft_warms_auto_until_it_has_chosen():
+    """auto explores each candidate on a shape's first transfers: the TTFT bench serves that
+    many untimed host hits first, so no timed hit is an exploring one."""
+    from kvtier.bench.ttft import WARM_HITS, warm_hits
+    from kvtier.engine import Engine, EngineConfig, tiny
+    from kvtier.engine.engine import make_model
+    from kvtier.transfer.auto import AutoBackend
+    from kvtier.transfer.dma import DMABackend
+    from kvtier.transfer.kernel import KernelBackend
+
+    cfg = dict(prefix_cache="tiers", device_tokens=256, host_tokens=1024, page_size=8, device="cpu")
+    model = make_model(tiny("llama", hidden_size=64, n_layers=2, n_heads=4, intermediate_size=96, vocab_size=101),
+                       EngineConfig(**cfg), 0)
+    e = Engine(model, EngineConfig(**cfg))
+    assert warm_hits(e) == WARM_HITS  # the CPU path does not explore
+    auto = AutoBackend(KernelBackend(), DMABackend())
+    e.kv.cache.engine.backend = auto
+    assert warm_hits(e) == auto.settling_transfers == 2 * auto.chooser.explore > WARM_HITS

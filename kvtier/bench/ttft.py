@@ -91,9 +91,15 @@ def recompute_ttfts(none: Engine, prompts: list[list[int]]) -> tuple[list[float]
     return [s.ttft for s in seqs], [s.output_ids for s in seqs]
 
 
-# Untimed host hits before the timed ones: the first loads of a shape compile
-# kernels and, with io_backend=auto, try each backend once (kernel and DMA).
+# Untimed host hits before the timed ones: the first loads of a shape compile kernels
+# and allocate staging. auto also tries each candidate on its first transfers of a shape
+# (``settling_transfers``: three each), so it gets as many (warm_hits).
 WARM_HITS = 2
+
+
+def warm_hits(engine: Engine) -> int:
+    """Untimed host hits ``engine`` needs before its timed ones."""
+    return max(WARM_HITS, getattr(engine.kv.cache.engine.backend, "settling_transfers", 0))
 
 
 def hit_ttfts(tiers: Engine, prefix: list[int], prompts: list[list[int]], others: list[list[int]],
@@ -162,10 +168,11 @@ def run(model_name: str, lengths: list[int], new: int, repeats: int, device: str
         limit = copy_limit_gbps(L * mcfg.kv_spec().bytes_per_token, dev)
         prefix = [rng.randrange(mcfg.vocab_size) for _ in range(L)]
         prompts = [prefix + [rng.randrange(mcfg.vocab_size) for _ in range(new)]
-                   for _ in range(2 * repeats + WARM_HITS)]
+                   for _ in range(2 * repeats + max(map(warm_hits, tiers.values())))]
         recompute, ref_outputs = recompute_ttfts(none, prompts[:repeats])
         for b, e in tiers.items():
-            hits = hit_ttfts(e, prefix, prompts[:repeats], prompts[repeats:2 * repeats], prompts[2 * repeats:])
+            hits = hit_ttfts(e, prefix, prompts[:repeats], prompts[repeats:2 * repeats],
+                             prompts[2 * repeats:2 * repeats + warm_hits(e)])
             same = sum(a == c for a, c in zip(ref_outputs, hits["outputs"]))
             rows.append(_row(mcfg, L, new, limit, names[b], recompute, hits, same))
             echo(_line(rows[-1]))
