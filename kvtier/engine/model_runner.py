@@ -17,7 +17,15 @@ class ModelRunner:
         self.device = pool.device
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+        t = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        # Read over PCIe by SMs, not queued on a copy engine: a host-tier hit's load queues
+        # gigabytes of host -> device copies just before this step, and inputs copied behind
+        # them held the forward pass until the whole load had landed (H200: a 32k host hit by
+        # DMA took 118 ms that way, 83 ms this way; bench/NOTES_transfer.md, runs 34-35).
+        from ..transfer.kernel import on_device
+        return on_device(t, self.device)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
         ids: list[int] = []
