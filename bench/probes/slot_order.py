@@ -22,7 +22,10 @@ against 0.86x of the duplex limit (both); sorting still gained where copies are 
 (MLA layer_first page-64 backup 0.70x -> 0.745x, MHA page_first page-1 backup 0.75x ->
 0.883x). Hence ``sort_below`` (1 MiB). A third arm for that shape tests why: sorted, with every 1-D
 copy cut into pieces of one page (4.5 MB), as the copies are as given (sorted, merged runs
-make copies of 4.5-36 MB, uneven per chunk).
+make copies of 4.5-36 MB, uneven per chunk). Run 31 (``probe_slot_order_h200.json``; run 28's
+is ``*_run28.json``): the pieces ran as slowly as sorted (backup 0.807x, load 0.853x, both
+0.757x; as given 0.914x, 0.941x, 0.879x; sorted 0.847x, 0.812x, 0.784x), so uneven copy sizes
+are not the cause; host-address order is what differs, and why it costs is not known.
 Usage: python bench/probes/slot_order.py OUT.json [--tokens N]
 """
 
