@@ -8,11 +8,17 @@ DMA load of the TTFT bench's shape (MHA layer_first page 64, allocator slots) is
 pinned memory (pinned beforehand, ``non_blocking``), and by SMs (``on_device``). Per way: the host's time to issue
 the five, and when (device clock, from the load's start) the last is done, against the load's
 own end. Three rounds, the ways alternating.
+
+Run 36 (``probe_input_copies_h200.json``): pageable and pinned copies alike landed only with the
+whole load (79-80 ms; pageable also held the host 68-73 ms); by SMs at 9.0-9.5 ms. Next: the
+same with ``CUDA_DEVICE_MAX_CONNECTIONS=32`` in the environment (logged with the entry), in case
+the wait is the caller's stream sharing a hardware queue with the load's copy stream.
 Usage: python bench/probes/input_copies.py OUT.json [--tokens N]
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -65,7 +71,8 @@ def main():
     for _ in range(3):
         for way in rows:
             rows[way].append(one(eng, h, d, way))
-    log("mha/layer_first/p64/allocator/load by dma, then 5 x 256 KiB inputs", rows)
+    conn = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)")
+    log(f"mha/layer_first/p64/allocator/load by dma, then 5 x 256 KiB inputs; CUDA_DEVICE_MAX_CONNECTIONS={conn}", rows)
 
 
 if __name__ == "__main__":
