@@ -217,3 +217,22 @@ def test_radix_tree_alone_needs_no_pools():
     upper = tree.split(a, 4)
     assert upper.parent is root and a.parent is upper and len(a) == 4
     assert tree.walk(root, np.arange(8))[1] == 8
+
+
+def test_combined_load_waits_for_and_finishes_with_every_part():
+    """Several loads seen as one (a prefix spread over host runs): ``wait`` and the engine's
+    ``_finished`` follow every part, not the empty base handle (they used to say done at once)."""
+    from cache_testlib import HeldTransferEngine
+    from kvtier.cache.inflight import CombinedLayerLoad
+    from kvtier.device_pool import pool_from_spec
+    from kvtier.host_pool import host_pool_for
+    from kvtier.spec import KVSpec
+    spec = KVSpec("mha", 2, torch.float32, head_num=2, head_dim=4)
+    dev = pool_from_spec(spec, 64, 4, "cpu")
+    host = host_pool_for(dev, "layer_first", host_size_tokens=64)
+    eng = HeldTransferEngine(host)
+    parts = [eng.load(torch.arange(0, 4), torch.arange(0, 4)), eng.load(torch.arange(8, 12), torch.arange(8, 12))]
+    both = CombinedLayerLoad(parts)
+    assert not both._finished() and not both.done()
+    both.wait()
+    assert all(p.done() for p in parts) and both._finished() and both.done()

@@ -117,12 +117,13 @@ class LayerLoad:
         return self._events is None or self._events[layer].query()
 
     def wait(self, stream=None, raise_error: bool = True) -> None:
-        """Make ``stream`` wait for every layer (``raise_error``: as :meth:`TransferHandle.wait`)."""
-        if self._events is not None:
-            self.wait_layer(self.layer_num - 1, stream)
+        """Make ``stream`` wait for every layer (``raise_error``: as :meth:`TransferHandle.wait`).
+        Through :meth:`wait_layer` and :meth:`layer_done`, so a subclass that overrides those
+        (several loads seen as one) waits and finishes as they say."""
+        self.wait_layer(self.layer_num - 1, stream)
 
     def _finished(self) -> bool:
-        return self._events is None or self._events[-1].query()
+        return self.layer_done(self.layer_num - 1)
 
     def done(self) -> bool:
         if self._events is None or self._events[-1].query():
