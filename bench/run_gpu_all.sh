@@ -2,7 +2,7 @@
 # One device call for everything that needs the GPU: every `gpu` test, the transfer
 # benchmark (all kinds), the TTFT benchmark, and optionally probes (PROBE=names of scripts
 # in bench/probes, space-separated; PROBE_S the time box of each; EXTRA_BACKENDS more --backend
-# options for the bench, timed after auto, e.g. "--backend dma@32"; ROUNDS: --rounds; TTFT_BACKENDS: --io-backends of bench ttft). Each step is time-boxed and writes
+# options for the bench, timed after auto, e.g. "--backend dma@32"; ROUNDS: --rounds; TTFT_BACKENDS: --io-backends of bench ttft; TTFT_ARGS: more options for it, e.g. "--inputs pinned"). Each step is time-boxed and writes
 # under $OUT as it goes, so a step that runs long still leaves the others' results.
 # At most 8 files come back from the device: gpu_tests.log (machine facts first),
 # transfer.log, transfer.err, transfer_h200.json, probes.log and one JSON per probe
@@ -24,7 +24,7 @@ timeout "${BENCH_S:-420}" python -m kvtier.cli bench transfer --tokens "${TOKENS
 echo "bench transfer rc=$?"; grep -v '%|' "$OUT/transfer.err" | tail -3; }
 
 [ "${TTFT_S:-90}" -gt 0 ] && {
-timeout "${TTFT_S:-90}" python -m kvtier.cli bench ttft --io-backends "${TTFT_BACKENDS:-default,kernel}" \
+timeout "${TTFT_S:-90}" python -m kvtier.cli bench ttft --io-backends "${TTFT_BACKENDS:-default,kernel}" ${TTFT_ARGS:-} \
   --json "$OUT/ttft_h200.json" > "$OUT/ttft.log" 2>&1
 echo "bench ttft rc=$?"; tail -12 "$OUT/ttft.log"; }
 for P in ${PROBE:-}; do  # PROBE may name several, each time-boxed by PROBE_S

@@ -76,3 +76,20 @@ def test_bench_ttft_warms_auto_until_it_has_chosen():
     auto = AutoBackend(KernelBackend(), DMABackend())
     e.kv.cache.engine.backend = auto
     assert warm_hits(e) == auto.settling_transfers == 2 * auto.chooser.explore > WARM_HITS
+
+
+def test_engine_inputs_knob_is_checked_and_recorded(tmp_path):
+    """EngineConfig.inputs names how step inputs reach the GPU; a wrong name is refused before
+    anything is built, and bench ttft records the one it ran with (CPU: all three copy alike)."""
+    from kvtier.engine import EngineConfig
+    with pytest.raises(ValueError, match=r"unknown inputs 'gpu'; use one of \('sms', 'pinned', 'pageable'\)"):
+        EngineConfig(inputs="gpu")
+    out = tmp_path / "ttft.json"
+    res = CliRunner().invoke(main, ["bench", "ttft", "--model", "tiny", "--contexts", "128", "--new-tokens", "16",
+                                    "--repeats", "1", "--page-size", "16", "--device", "cpu", "--inputs", "pageable",
+                                    "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["inputs"] == "pageable" and doc["rows"][0]["first_tokens_equal"] == 1
+    res = CliRunner().invoke(main, ["bench", "ttft", "--model", "tiny", "--inputs", "gpu"])
+    assert res.exit_code == 2 and "gpu" in res.output

@@ -12,13 +12,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek"])
-@pytest.mark.parametrize("io_backend", [None, "direct"])
-def test_host_hit_generates_what_a_device_hit_does(kind, io_backend):
-    """Same prompt, prefix on the device vs loaded from the host layer by layer: same KV bytes, same tokens."""
+@pytest.mark.parametrize("io_backend,inputs", [(None, "sms"), ("direct", "sms"), ("dma", "pinned"), ("dma", "pageable")])
+def test_host_hit_generates_what_a_device_hit_does(kind, io_backend, inputs):
+    """Same prompt, prefix on the device vs loaded from the host layer by layer: same KV bytes, same tokens
+    (whichever way the engine copies its step inputs: EngineConfig.inputs)."""
     cfg = tiny(kind, hidden_size=256, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=64, intermediate_size=512,
                vocab_size=1000, dtype=torch.bfloat16)
     ecfg = EngineConfig(prefix_cache="tiers", device_tokens=8192, host_tokens=16384, page_size=16,
-                        device="cuda", io_backend=io_backend)
+                        device="cuda", io_backend=io_backend, inputs=inputs)
     e = Engine(make_model(cfg, ecfg, seed=1), ecfg)
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, 1000, (4096,), generator=g).tolist()

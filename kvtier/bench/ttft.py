@@ -28,6 +28,7 @@ import click
 import torch
 
 from ..engine import Engine, EngineConfig, Sequence, llama3_8b, tiny
+from ..engine.config import INPUT_COPIES
 from ..engine.engine import make_model
 
 MODELS = {
@@ -144,14 +145,14 @@ def _row(mcfg, L: int, new: int, limit: float, backend: str, recompute: list[flo
 
 
 def run(model_name: str, lengths: list[int], new: int, repeats: int, device: str, io_backends: list[str | None],
-        layout: str, page_size: int, seed: int, echo=click.echo) -> dict:
+        layout: str, page_size: int, seed: int, echo=click.echo, inputs: str = "sms") -> dict:
     dev = torch.device(device)
     mcfg = MODELS[model_name]()
     if dev.type == "cpu" and mcfg.dtype != torch.float32:
         mcfg = mcfg.with_(dtype=torch.float32)
     tokens = (max(lengths) + 2 * new) // page_size * page_size + 2 * page_size
     base = dict(device_tokens=tokens, host_tokens=tokens, page_size=page_size, layout=layout,
-                device=device, max_batch_tokens=tokens)
+                device=device, max_batch_tokens=tokens, inputs=inputs)
     t0 = time.perf_counter()
     model = make_model(mcfg, EngineConfig(**base), seed)
     none = Engine(model, EngineConfig(prefix_cache="none", **base))
@@ -178,7 +179,7 @@ def run(model_name: str, lengths: list[int], new: int, repeats: int, device: str
             echo(_line(rows[-1]))
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     return {"model": model_name, "device": device_name, "layout": layout, "page_size": page_size,
-            "repeats": repeats, "torch": torch.__version__, "rows": rows,
+            "inputs": inputs, "repeats": repeats, "torch": torch.__version__, "rows": rows,
             "cache_metrics": {names[b]: e.kv.metrics() for b, e in tiers.items()}}
 
 
@@ -213,8 +214,11 @@ def table(doc: dict) -> str:
 @click.option("--layout", default="layer_first", show_default=True)
 @click.option("--page-size", default=64, show_default=True)
 @click.option("--seed", default=0, show_default=True)
+@click.option("--inputs", type=click.Choice(INPUT_COPIES), default="sms", show_default=True,
+              help="how the engine copies each step's inputs to the GPU (EngineConfig.inputs): sms, or "
+                   "pinned / pageable copy-engine copies, to see what an engine that copies them so gets")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def ttft(model_name, contexts, new_tokens, repeats, device, io_backends, layout, page_size, seed, json_path):
+def ttft(model_name, contexts, new_tokens, repeats, device, io_backends, layout, page_size, seed, inputs, json_path):
     """TTFT of a host-tier prefix hit against recomputing the prefix (and a device hit)."""
     try:
         lengths = [int(x) for x in contexts.split(",") if x.strip()]
@@ -227,7 +231,7 @@ def ttft(model_name, contexts, new_tokens, repeats, device, io_backends, layout,
                                  param_hint="--contexts")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     backends = [None if b.strip() == "default" else b.strip() for b in io_backends.split(",") if b.strip()]
-    doc = run(model_name, lengths, new_tokens, repeats, device, backends, layout, page_size, seed)
+    doc = run(model_name, lengths, new_tokens, repeats, device, backends, layout, page_size, seed, inputs=inputs)
     click.echo("")
     click.echo(table(doc))
     if json_path:

@@ -96,6 +96,9 @@ def llama3_8b(dtype=torch.bfloat16) -> ModelConfig:
     )
 
 
+INPUT_COPIES = ("sms", "pinned", "pageable")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine serves.
@@ -111,6 +114,13 @@ class EngineConfig:
     ``attention``: ``reference``, ``sdpa``, or ``auto`` (sdpa on CUDA, else
     reference). ``use_advisor``: ask the cache whether loading a host hit
     beats recomputing it (from the measured prefill rate) before loading.
+    ``inputs``: how each step's inputs (token ids, positions, slot tables) reach
+    a CUDA device: ``sms`` reads them by SMs (``kvtier.transfer.kernel.on_device``),
+    ``pinned`` copies them from pinned memory without blocking (as vLLM and
+    SGLang do), ``pageable`` with a plain ``.to``. A copy-engine copy issued
+    after a DMA load waits for all of it (H200, ``probe_input_copies_h200.json``),
+    so only ``sms`` lets the forward pass overlap such a load; the other two are
+    there to measure what an engine that copies its inputs that way gets.
     """
 
     prefix_cache: str = "tiers"
@@ -127,6 +137,7 @@ class EngineConfig:
     exact: bool = True
     attention: str = "auto"
     use_advisor: bool = False
+    inputs: str = "sms"
 
     def __post_init__(self) -> None:
         if self.prefix_cache not in PREFIX_MODES:
@@ -139,3 +150,5 @@ class EngineConfig:
             require_positive_int("host_tokens", self.host_tokens)
         if self.attention not in ("auto", "reference", "sdpa"):
             raise ValueError(f"unknown attention {self.attention!r}; use auto, reference or sdpa")
+        if self.inputs not in INPUT_COPIES:
+            raise ValueError(f"unknown inputs {self.inputs!r}; use one of {INPUT_COPIES}")

@@ -73,7 +73,7 @@ class Engine:
         self.pool = pool_from_spec(spec, config.device_tokens, config.page_size, config.device)
         self.kv = KV_MANAGERS[config.prefix_cache](self.pool, config, self)
         self.scheduler = Scheduler(self.kv, config.max_batch_tokens, config.max_running)
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, config.inputs)
         self.steps = 0
         self._prefill_time = 0.0
         self._prefill_tokens = 0

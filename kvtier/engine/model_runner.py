@@ -11,19 +11,22 @@ from .scheduler import Batch
 class ModelRunner:
     """Owns the model and the device pool; the only part of the engine that touches tensors."""
 
-    def __init__(self, model, pool):
+    def __init__(self, model, pool, inputs: str = "sms"):
         self.model = model
         self.pool = pool
         self.device = pool.device
+        self.inputs = inputs  # EngineConfig.inputs
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.int64)
-        if self.device.type != "cuda":
-            return t.to(self.device)
+        if self.device.type != "cuda" or self.inputs == "pageable":
+            return t.to(self.device, non_blocking=True)
+        if self.inputs == "pinned":
+            return t.pin_memory().to(self.device, non_blocking=True)
         # Read over PCIe by SMs, not queued on a copy engine: a host-tier hit's load queues
         # gigabytes of host -> device copies just before this step, and inputs copied behind
         # them held the forward pass until the whole load had landed (H200: a 32k host hit by
-        # DMA took 118 ms that way, 83 ms this way; bench/NOTES_transfer.md, runs 34-35).
+        # DMA took 118 ms that way, 83 ms this way; bench/NOTES_transfer.md, runs 34-36).
         from ..transfer.kernel import on_device
         return on_device(t, self.device)
 
