@@ -126,7 +126,7 @@ class LayerLoad:
         return self.layer_done(self.layer_num - 1)
 
     def done(self) -> bool:
-        if self._events is None or self._events[-1].query():
+        if self._finished():
             if self.finished_at is None:
                 self.finished_at = time.perf_counter()
             self._keep = ()

@@ -78,7 +78,7 @@ class OnlineChooser:
         counts, not what it last chose: two directions each waiting for the other to take
         DMA first would keep a pair on kernels for good.)"""
         if self.when_shared in candidates and key and key[-1] == DUPLEX:
-            solo = {c: v for c, v in self._solo_best(key[:-1]).items() if c in candidates}
+            solo = {c: v for c, v in self._scores(key[:-1]).items() if c in candidates}
             others = [v for c, v in solo.items() if c != self.when_shared]
             fit = (self.when_shared not in solo or not others
                    or solo[self.when_shared] >= self.shared_margin * max(others))
@@ -95,7 +95,8 @@ class OnlineChooser:
             high = max(scores.values())
             return next(c for c, s in scores.items() if s >= (1 - self.tie) * high)
 
-    def _solo_best(self, key) -> dict:
+    def _scores(self, key) -> dict:
+        """Each timed candidate's :func:`score` for ``key``."""
         with self._lock:
             return {c: score(v) for c, v in self.samples.get(key, {}).items() if v}
 
@@ -106,8 +107,7 @@ class OnlineChooser:
 
     def best(self, key) -> str | None:
         """The candidate with the highest :func:`score` for ``key`` (None: nothing timed)."""
-        with self._lock:
-            seen = {c: score(v) for c, v in self.samples[key].items() if v}
+        seen = self._scores(key)
         return max(seen, key=seen.get) if seen else None
 
 
