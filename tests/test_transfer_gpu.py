@@ -150,6 +150,48 @@ def test_layer_chunked_backups_match_direct(name, ps, contiguous):
     _round_trip_matches_direct(eng, dev, host, "layer_first", ps, "cpu", rng, contiguous=contiguous)
 
 
+@pytest.mark.parametrize("drain,group", [(1, 1), (2, 1), (3, 2), (1, 0)])
+@pytest.mark.parametrize("name,layout,ps", [("mha_odd", "layer_first", 16), ("mla_fp8_656", "page_first", 1),
+                                            ("dsa", "page_first", 16)])
+def test_dma_loads_that_drain_every_few_layers_match_direct(drain, group, name, layout, ps):
+    """``DMAConfig.load_drain``: the side stream waits (through a kernel on a third stream)
+    every ``drain`` layers, grouped loads included; every byte still lands where it should."""
+    from kvtier.transfer.dma import DMABackend, DMAConfig
+    rng = np.random.default_rng(hash((drain, group, name, layout, ps)) % 2**32)
+    dev, host = _pools(SPECS[name], ps, layout)
+    eng = TransferEngine(host, "dma")
+    eng.backend = DMABackend(DMAConfig(kernel_below=0, load_drain=drain, load_group=group))
+    _round_trip_matches_direct(eng, dev, host, layout, ps, "cpu", rng, contiguous=False)
+
+
+def test_a_dma_load_that_drains_lets_a_pinned_input_copy_through():
+    """Why loads drain (runs 36-40): a pinned host -> device copy queued on another stream
+    during a DMA load landed only with the whole load; with a drain every layer it lands
+    while the load's later layers are still to come."""
+    from kvtier.transfer.dma import DMABackend, DMAConfig
+    spec = KVSpec("mha", 16, torch.bfloat16, head_num=8, head_dim=128)  # 4 KiB per token and layer
+    ps, tokens = 64, 32768  # 2 GiB per load: tens of ms on any PCIe link
+    dev, host = _pools(spec, ps, "layer_first", tokens=tokens)
+    eng = TransferEngine(host, "dma")
+    eng.backend = DMABackend(DMAConfig(load_drain=1, load_group=1))
+    h = torch.arange(tokens)
+    d = torch.arange(tokens)
+    eng.backup(h, d).synchronize()
+    src = torch.arange(32768, dtype=torch.int64).pin_memory()
+    for _ in range(2):  # the second after plans and staging exist
+        torch.cuda.synchronize()
+        ld = eng.load(h, d)
+        got = src.to("cuda", non_blocking=True)
+        arrived = torch.cuda.Event()
+        arrived.record()
+        arrived.synchronize()
+        early = not ld.layer_done(spec.layer_num - 1)
+        ld.synchronize()
+    assert torch.equal(got.cpu(), src)
+    assert early, "the input copy landed only after the whole load"
+    host.close()
+
+
 def test_three_streams_stress():
     """Loads, backups and a forward-like kernel on three streams; every byte checked."""
     spec = SPECS["mha_odd"]

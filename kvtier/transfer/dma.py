@@ -80,6 +80,12 @@ class DMAConfig:
     (``probe_copy_size_h200.json``), and MLA page_first page-64 scattered pages
     (4.5 MB copies) ran slower in that order: backups 0.87x against 0.925x as
     given, loads 0.90x against 0.95x (run 28, ``probe_slot_order_h200.json``).
+    ``load_drain``: every this many layers a load's copies wait, on the device,
+    until the copy before them is done, so its queue runs dry for a moment and
+    host -> device copies other streams queued meanwhile go through (0: never).
+    On an H200 a copy queued on another stream during a 32k DMA load, pinned or
+    not, at any stream priority, waited for the whole load (80 ms) and with
+    drains every K layers for at most K layers (``probe_copy_priority_h200*.json``).
     """
 
     staging_bytes: int = 128 * MiB
@@ -91,6 +97,7 @@ class DMAConfig:
     kernel_below: int = 32 * 1024
     sort_slots: bool = True
     sort_below: int = 1 * MiB
+    load_drain: int = 4
 
     def __post_init__(self) -> None:
         for name in ("staging_bytes", "buffers", "gather_blocks", "batch_min"):
@@ -101,6 +108,8 @@ class DMAConfig:
             raise ValueError(f"DMAConfig.buffers must be >= 2 so copies and kernels overlap, got {self.buffers}")
         if isinstance(self.load_group, bool) or not isinstance(self.load_group, int) or self.load_group < 0:
             raise ValueError(f"DMAConfig.load_group must be 0 (measure) or a positive layer count, got {self.load_group!r}")
+        if isinstance(self.load_drain, bool) or not isinstance(self.load_drain, int) or self.load_drain < 0:
+            raise ValueError(f"DMAConfig.load_drain must be 0 (never drain) or a layer count > 0, got {self.load_drain!r}")
         for name in ("kernel_below", "sort_below"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -126,6 +135,29 @@ class StagingRing:
         self.slots = [_Slot() for _ in range(config.buffers)]
         self.next = 0
         self.lock = threading.Lock()
+        self.last = None  # event: the last chunk queued through this ring is done with
+        self.last_copied = None  # event: the last chunk's copy is done
+        self._tick = None  # (stream, flag, event) for drains on the copy (DMAConfig.load_drain)
+
+    def drain(self, on_copy: bool) -> None:
+        """Make the side stream's next copy wait until the last chunk's copy is done and a tiny
+        kernel on another stream has run after it (``on_copy``), or until the last chunk is
+        scattered: either way its queue runs dry for a moment, and the copy engine takes
+        copies other streams queued meanwhile."""
+        if not on_copy:
+            if self.last is not None:
+                self.side.wait_event(self.last)
+            return
+        if self.last_copied is None:
+            return
+        if self._tick is None:
+            self._tick = (torch.cuda.Stream(self.device), torch.empty(1, device=self.device), torch.cuda.Event())
+        stream, flag, ev = self._tick
+        stream.wait_event(self.last_copied)
+        with torch.cuda.stream(stream):
+            flag.fill_(0)
+        ev.record(stream)
+        self.side.wait_event(ev)
 
     def take(self, nbytes: int) -> _Slot:
         slot = self.slots[self.next]
@@ -140,6 +172,7 @@ class StagingRing:
 
 class DMABackend(Backend):
     name = "dma"
+    _drain_on_copy = True
 
     def __init__(self, config: DMAConfig = DMAConfig(), fallback: KernelBackend | None = None):
         self.config = config
@@ -397,6 +430,9 @@ class DMABackend(Backend):
     def _load_chunks(self, ring, cur, part, p, ptrs, d, host_base, layer, n_layers) -> None:
         """Copy each chunk from the host on the side stream, then scatter it on ``cur``."""
         wp = None
+        k = self.config.load_drain
+        if k and layer and (layer + n_layers - 1) // k * k >= layer:
+            ring.drain(self._drain_on_copy)
         for i in range(p.n_chunks):
             j0, m = p.items(i)
             slot = ring.take(p.staging_bytes)
@@ -405,10 +441,12 @@ class DMABackend(Backend):
             ring.side.wait_event(slot.free)
             _issue(tall, flat, host_base, slot.buf.data_ptr(), False, ring.side.cuda_stream, self.config.batch_min)
             slot.ready.record(ring.side)
+            ring.last_copied = slot.ready
             cur.wait_event(slot.ready)
             copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, layer, n_layers,
                        False, self.config.gather_blocks, wp)
             slot.free.record(cur)
+            ring.last = slot.free
 
 
 def _issue(tall: np.ndarray, flat: np.ndarray, host_base: int, stg_base: int, to_host: bool, stream: int,
