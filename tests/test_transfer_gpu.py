@@ -152,7 +152,7 @@ def test_layer_chunked_backups_match_direct(name, ps, contiguous):
 
 @pytest.mark.parametrize("drain,group", [(1, 1), (2, 1), (3, 2), (1, 0)])
 @pytest.mark.parametrize("name,layout,ps", [("mha_odd", "layer_first", 16), ("mla_fp8_656", "page_first", 1),
-                                            ("dsa", "page_first", 16)])
+                                            ("dsa", "layer_first", 16)])
 def test_dma_loads_that_drain_every_few_layers_match_direct(drain, group, name, layout, ps):
     """``DMAConfig.load_drain``: the side stream waits (through a kernel on a third stream)
     every ``drain`` layers, grouped loads included; every byte still lands where it should."""
