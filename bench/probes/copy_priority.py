@@ -28,7 +28,11 @@ ms (K 1-2), 2.4-4.1 (4), 3.1-3.7 (8). The load: 79.5 ms without, 90.0 (K 1), 84.
 80.6 (8): 0.25-0.34 ms a drain, more than predicted (a 128 MiB scatter). Third part: drains on
 the copy (the side stream waits for a tiny kernel queued on a third stream after the last
 chunk's copy; ``on the copy``). Prediction: the same landing times, and a drain costs under
-0.05 ms.
+0.05 ms. Run 41 (``probe_copy_priority_h200_run41.json``): met. The load took 79.8-80.2 ms with a
+drain every layer and 79.2-79.4 every 4 (none: 79.0-85.3); inputs landed within K layers.
+Run 43 (``probe_copy_priority_h200.json``) adds ``on the copy, no kernel`` (the third stream
+only waits and records): the inputs waited for the whole load (78.6-79.3 ms) at every K, so the
+one-element kernel is what makes the gap. The other arms repeated run 41.
 Usage: python bench/probes/copy_priority.py OUT.json [--tokens N]
 """
 
@@ -51,10 +55,10 @@ log = JsonLog(PATH, tokens=TOKENS)
 N, WORDS = 5, 32768  # five copies of 256 KiB
 
 
-def engine(host, window: int, load_priority: int, drain: int = 0, on_copy: bool = True) -> TransferEngine:
+def engine(host, window: int, load_priority: int, drain: int = 0, after: str = "copy") -> TransferEngine:
     eng = TransferEngine(host, "dma", **({"load_window": window} if window else {}))
     backend = DMABackend(DMAConfig(load_drain=drain))  # its own staging ring, at the priority under test
-    backend._drain_on_copy = on_copy
+    backend._drain_after = after
     dev = torch.device("cuda", torch.cuda.current_device())
     backend._rings[(dev.index, False)] = StagingRing(dev, backend.config, load_priority)
     eng.backend = backend
@@ -103,10 +107,10 @@ def main():
     h, d, _, _ = case.indices(False, np.random.default_rng(0))
     drains = {}
     for k in (0, 1, 2, 4, 8):
-        for on_copy in (True, False) if k else (True,):
-            eng = engine(case.host, 0, -1, k, on_copy)
+        for after in ("copy", "event", "scatter") if k else ("copy",):
+            eng = engine(case.host, 0, -1, k, after)
             for delay in (0, 30):
-                on = "copy" if on_copy else "scatter"
+                on = {"copy": "copy", "event": "copy, no kernel", "scatter": "scatter"}[after]
                 drains[f"drain every {k} layers on the {on}, inputs {delay} ms after the load"] = (eng, None, delay)
     timed(drains, h, d)
     if "--priority" in sys.argv:  # run 39's arms (windows: the load-window branch)

@@ -81,11 +81,16 @@ class DMAConfig:
     (4.5 MB copies) ran slower in that order: backups 0.87x against 0.925x as
     given, loads 0.90x against 0.95x (run 28, ``probe_slot_order_h200.json``).
     ``load_drain``: every this many layers a load's copies wait, on the device,
-    until the copy before them is done, so its queue runs dry for a moment and
-    host -> device copies other streams queued meanwhile go through (0: never).
-    On an H200 a copy queued on another stream during a 32k DMA load, pinned or
-    not, at any stream priority, waited for the whole load (80 ms) and with
-    drains every K layers for at most K layers (``probe_copy_priority_h200*.json``).
+    for a one-element kernel queued on another stream after the copy before
+    them, so the load's queue runs dry for a moment and host -> device copies
+    other streams queued meanwhile go through (0: never). On an H200 a copy
+    queued on another stream during a 32k DMA load, pinned or not, at any
+    stream priority, waited for the whole load (80 ms); with drains every 4
+    layers it landed 0.4-7.8 ms after it was issued (4 layers take 10 ms), and
+    the load took 79.1-79.8 ms against 78.7-79.3 (a drain every layer:
+    79.6-80.8). An engine that
+    copies its step inputs that way got its 32k host hit in 86 ms, not 118
+    (``probe_copy_priority_h200*.json``, ``ttft_h200_*drain*``; runs 37-43).
     """
 
     staging_bytes: int = 128 * MiB
@@ -139,12 +144,15 @@ class StagingRing:
         self.last_copied = None  # event: the last chunk's copy is done
         self._tick = None  # (stream, flag, event) for drains on the copy (DMAConfig.load_drain)
 
-    def drain(self, on_copy: bool) -> None:
-        """Make the side stream's next copy wait until the last chunk's copy is done and a tiny
-        kernel on another stream has run after it (``on_copy``), or until the last chunk is
-        scattered: either way its queue runs dry for a moment, and the copy engine takes
-        copies other streams queued meanwhile."""
-        if not on_copy:
+    def drain(self, after: str = "copy") -> None:
+        """Make the side stream's next copy wait, so its queue runs dry for a moment and the
+        copy engine takes copies other streams queued meanwhile. ``after``: ``copy``, a
+        one-element kernel on another stream queued after the last chunk's copy (about 0.02
+        ms a drain on an H200); ``scatter``, the last chunk's scatter (0.25-0.34 ms a drain,
+        run 40); ``event``, the other stream only waits and records, with no kernel: no gap,
+        the other copies still waited for the whole load (run 43). The last two are kept for
+        ``bench/probes/copy_priority.py``."""
+        if after == "scatter":
             if self.last is not None:
                 self.side.wait_event(self.last)
             return
@@ -154,8 +162,9 @@ class StagingRing:
             self._tick = (torch.cuda.Stream(self.device), torch.empty(1, device=self.device), torch.cuda.Event())
         stream, flag, ev = self._tick
         stream.wait_event(self.last_copied)
-        with torch.cuda.stream(stream):
-            flag.fill_(0)
+        if after == "copy":
+            with torch.cuda.stream(stream):
+                flag.fill_(0)
         ev.record(stream)
         self.side.wait_event(ev)
 
@@ -172,7 +181,7 @@ class StagingRing:
 
 class DMABackend(Backend):
     name = "dma"
-    _drain_on_copy = True
+    _drain_after = "copy"  # StagingRing.drain (the probe copy_priority times the others)
 
     def __init__(self, config: DMAConfig = DMAConfig(), fallback: KernelBackend | None = None):
         self.config = config
@@ -432,7 +441,7 @@ class DMABackend(Backend):
         wp = None
         k = self.config.load_drain
         if k and layer and (layer + n_layers - 1) // k * k >= layer:
-            ring.drain(self._drain_on_copy)
+            ring.drain(self._drain_after)
         for i in range(p.n_chunks):
             j0, m = p.items(i)
             slot = ring.take(p.staging_bytes)
