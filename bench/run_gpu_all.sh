@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for everything that needs the GPU: every `gpu` test, the transfer
 # benchmark (all kinds), the TTFT benchmark, and optionally probes (PROBE=names of scripts
-# in bench/probes, space-separated; PROBE_S the time box of each; EXTRA_BACKENDS more --backend
+# in bench/probes, space-separated; PROBE_S the time box of each; BACKENDS the bench's --backend options
+# (default kernel, dma and auto); EXTRA_BACKENDS more --backend
 # options for the bench, timed after auto, e.g. "--backend dma@32"; ROUNDS: --rounds; TTFT_BACKENDS: --io-backends of bench ttft; TTFT_ARGS: more options for it, e.g. "--inputs pinned"). Each step is time-boxed and writes
 # under $OUT as it goes, so a step that runs long still leaves the others' results.
 # At most 8 files come back from the device: gpu_tests.log (machine facts first),
@@ -19,7 +20,7 @@ echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
 # 32,768 tokens per transfer (4 GiB for the Llama-3-8B shape), as in shared/ANCHORS.md.
 [ "${BENCH_S:-420}" -gt 0 ] && {
 timeout "${BENCH_S:-420}" python -m kvtier.cli bench transfer --tokens "${TOKENS:-32768}" --reps 3 --rounds "${ROUNDS:-1}" \
-  --page-size 1 --page-size 64 ${KINDS:-} --backend kernel --backend dma --backend auto ${EXTRA_BACKENDS:-} --verbose \
+  --page-size 1 --page-size 64 ${KINDS:-} ${BACKENDS:---backend kernel --backend dma --backend auto} ${EXTRA_BACKENDS:-} --verbose \
   --json "$OUT/transfer_h200.json" > "$OUT/transfer.log" 2> "$OUT/transfer.err"
 echo "bench transfer rc=$?"; grep -v '%|' "$OUT/transfer.err" | tail -3; }
 
