@@ -55,6 +55,31 @@ def test_engine_rejects_bad_quota_and_gpu_backends_on_cpu():
         TransferEngine(host, "dma")
 
 
+def test_io_backend_may_be_a_configured_backend():
+    """``io_backend`` takes a backend instance as well as a name (how a ``DMAConfig`` knob is
+    set); one that needs CUDA is refused on a CPU pool before anything is built, naming it
+    and the fix; the cache's config takes one too."""
+    from kvtier.cache import CacheConfig
+    from kvtier.transfer import DIRECT
+    spec = KVSpec("mla", 2, torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8)
+    dev = pool_from_spec(spec, 32, 1, "cpu")
+    dev.stacks["kv"].view(torch.uint8).random_(0, 256)
+    host = host_pool_for(dev, "layer_first", host_size_tokens=32)
+    eng = TransferEngine(host, DIRECT)
+    assert eng.backend is DIRECT
+    eng.backup(torch.arange(4), torch.arange(8, 12))
+    eng.load(torch.arange(4), torch.arange(4))
+    b = dev.stacks["kv"].view(torch.uint8)  # random bytes: compare bytes (NaN != NaN)
+    assert torch.equal(b[:, :4], b[:, 8:12])
+    assert CacheConfig(page_size=1, io_backend=DIRECT).io_backend is DIRECT
+    with pytest.raises(ValueError, match="io_backend"):
+        CacheConfig(page_size=1, io_backend="fastest")
+    pytest.importorskip("triton")
+    from kvtier.transfer.dma import DMABackend, DMAConfig
+    with pytest.raises(ValueError, match=r"DMABackend\(\.\.\.\) \(a 'dma' backend\) needs a CUDA device pool.*'direct'"):
+        TransferEngine(host, DMABackend(DMAConfig(load_drain=0)))
+
+
 def test_engine_rejects_a_background_flag_that_is_not_a_bool():
     spec = KVSpec("mla", 2, torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8)
     host = host_pool_for(pool_from_spec(spec, 32, 1, "cpu"), "layer_first", host_size_tokens=32)

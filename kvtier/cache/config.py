@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..transfer.base import IO_BACKENDS
+from ..transfer.base import IO_BACKENDS, Backend
 from ..validate import require_positive_int
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -22,7 +22,8 @@ class CacheConfig:
       hit ``selective_hits`` times; ``write_back`` when the device evicts it.
     - ``eviction``: ``lru`` or ``lfu`` (same policy for both tiers).
     - ``io_backend``: passed to :class:`~kvtier.transfer.TransferEngine`
-      (None: the engine's default for the device).
+      (None: the engine's default for the device): a name, or a configured
+      backend such as ``DMABackend(DMAConfig(...))``.
     - ``max_inflight_backups`` / ``max_inflight_loads``: bounds of the
       transfer queues; a full backup queue skips write-through backups
       (counted in the metrics), a full load queue makes ``load_back`` wait
@@ -40,7 +41,7 @@ class CacheConfig:
     write_policy: str = "write_through"
     selective_hits: int = 2
     eviction: str = "lru"
-    io_backend: str | None = None
+    io_backend: str | Backend | None = None
     max_inflight_backups: int = 256
     max_inflight_loads: int = 64
     model_id: str = ""
@@ -55,7 +56,7 @@ class CacheConfig:
         require_positive_int("selective_hits", self.selective_hits)
         require_positive_int("max_inflight_backups", self.max_inflight_backups)
         require_positive_int("max_inflight_loads", self.max_inflight_loads)
-        if self.io_backend is not None:
+        if self.io_backend is not None and not isinstance(self.io_backend, Backend):
             _choice("io_backend", self.io_backend, IO_BACKENDS)
         if not isinstance(self.model_id, str):
             raise ValueError(f"model_id must be a string, got {self.model_id!r}")

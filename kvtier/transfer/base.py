@@ -100,8 +100,20 @@ def register_backend(backend: Backend) -> Backend:
     return backend
 
 
-def get_backend(name: str, device: torch.device) -> Backend:
-    """The backend for ``io_backend=name`` on a device pool living on ``device``."""
+def get_backend(name: str | Backend, device: torch.device) -> Backend:
+    """The backend for ``io_backend=name`` on a device pool living on ``device``.
+
+    ``name`` may also be a configured backend, e.g. ``DMABackend(DMAConfig(load_drain=0))``
+    from :mod:`kvtier.transfer.dma`: it is used as given (the named ones share one
+    instance per process, with the default configuration).
+    """
+    if isinstance(name, Backend):
+        if device.type != "cuda" and name.name != "direct":
+            raise ValueError(
+                f"io_backend={type(name).__name__}(...) (a {name.name!r} backend) needs a CUDA device pool "
+                f"(this one is on {device}); use io_backend='direct', which works everywhere"
+            )
+        return name
     if name not in IO_BACKENDS:
         raise ValueError(f"unknown io_backend {name!r}; use one of {list(IO_BACKENDS)}")
     if device.type != "cuda":

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .base import chunk_hook, get_backend
+from .base import Backend, chunk_hook, get_backend
 from ..validate import require_positive_int
 
 
@@ -194,7 +194,7 @@ class TransferEngine:
     ``False`` queues everything in the caller's thread before returning.
     """
 
-    def __init__(self, host_pool, io_backend: str | None = None, *, block_quota: int | None = None,
+    def __init__(self, host_pool, io_backend: str | Backend | None = None, *, block_quota: int | None = None,
                  background_backups: bool = True):
         self.host_pool = host_pool
         self.device_pool = host_pool.device_pool
