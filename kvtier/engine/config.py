@@ -118,9 +118,10 @@ class EngineConfig:
     a CUDA device: ``sms`` reads them by SMs (``kvtier.transfer.kernel.on_device``),
     ``pinned`` copies them from pinned memory without blocking (as vLLM and
     SGLang do), ``pageable`` with a plain ``.to``. A copy-engine copy issued
-    after a DMA load waits for all of it (H200, ``probe_input_copies_h200.json``),
-    so only ``sms`` lets the forward pass overlap such a load; the other two are
-    there to measure what an engine that copies its inputs that way gets.
+    during a DMA load waits until the load's copy queue runs dry: for all of
+    it before loads drained, for at most 4 layers now (``DMAConfig.load_drain``;
+    H200, ``probe_copy_priority_h200*.json``). ``sms`` is the quickest; the other
+    two are there to measure what an engine that copies its inputs that way gets.
     """
 
     prefix_cache: str = "tiers"
