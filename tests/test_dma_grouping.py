@@ -455,3 +455,22 @@ def test_dma_parts_get_the_slot_pairs_in_host_order_and_kernel_parts_the_callers
         dma.runner_for(parts, plans, o, s_np, torch.from_numpy(h), d)
         hh, dd, kernel_idx = handed.pop()
         assert np.array_equal(hh.numpy(), h) and dd is d and kernel_idx is None
+
+
+@given(layers=st.integers(1, 80), group=st.integers(1, 16), every=st.integers(0, 12))
+def test_a_load_drains_once_per_multiple_of_the_drain_count_and_never_before_its_first_copy(layers, group, every):
+    """``DMAConfig.load_drain``: a load queued in groups of ``group`` layers drains before the
+    group that holds each multiple of ``every`` (except at layer 0), never twice for one, and
+    never when ``every`` is 0: other streams' copies wait for at most ``every`` layers and
+    one group."""
+    pytest.importorskip("triton")
+    from kvtier.transfer.dma import drains_at
+    calls = [(first, min(group, layers - first)) for first in range(0, layers, group)]
+    drained = [first for first, n in calls if drains_at(first, n, every)]
+    if every == 0:
+        assert drained == []
+        return
+    wanted = {m for m in range(every, layers, every)}
+    holding = {first for first, n in calls if any(first <= m < first + n for m in wanted)}
+    assert set(drained) == holding - {0}
+    assert len(drained) <= len(wanted)

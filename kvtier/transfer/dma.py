@@ -439,8 +439,7 @@ class DMABackend(Backend):
     def _load_chunks(self, ring, cur, part, p, ptrs, d, host_base, layer, n_layers) -> None:
         """Copy each chunk from the host on the side stream, then scatter it on ``cur``."""
         wp = None
-        k = self.config.load_drain
-        if k and layer and (layer + n_layers - 1) // k * k >= layer:
+        if drains_at(layer, n_layers, self.config.load_drain):
             ring.drain(self._drain_after)
         for i in range(p.n_chunks):
             j0, m = p.items(i)
@@ -456,6 +455,13 @@ class DMABackend(Backend):
                        False, self.config.gather_blocks, wp)
             slot.free.record(cur)
             ring.last = slot.free
+
+
+def drains_at(first: int, count: int, every: int) -> bool:
+    """Whether the copies of items ``first .. first + count - 1`` of a transfer (a load's layers,
+    a group of them at once) wait for a drain first: they hold a multiple of ``every`` (0:
+    never), and are not the transfer's first (nothing of it is queued before them)."""
+    return every > 0 and first > 0 and (first + count - 1) // every * every >= first
 
 
 def _issue(tall: np.ndarray, flat: np.ndarray, host_base: int, stg_base: int, to_host: bool, stream: int,
