@@ -88,9 +88,9 @@ class DMAConfig:
     stream priority, waited for the whole load (80 ms); with drains every 4
     layers it landed 0.4-7.8 ms after it was issued (4 layers take 10 ms), and
     the load took 79.1-79.8 ms against 78.7-79.3 (a drain every layer:
-    79.6-80.8). An engine that
-    copies its step inputs that way got its 32k host hit in 86 ms, not 118
-    (``probe_copy_priority_h200*.json``, ``ttft_h200_*drain*``; runs 37-43).
+    79.6-80.8). An engine that copies its step inputs that way got its 32k
+    host hit in 86 ms, not 118 (``probe_copy_priority_h200*.json``,
+    ``ttft_h200_*drain*``; runs 37-43).
     """
 
     staging_bytes: int = 128 * MiB
@@ -147,7 +147,7 @@ class StagingRing:
     def drain(self, after: str = "copy") -> None:
         """Make the side stream's next copy wait, so its queue runs dry for a moment and the
         copy engine takes copies other streams queued meanwhile. ``after``: ``copy``, a
-        one-element kernel on another stream queued after the last chunk's copy (about 0.02
+        one-element kernel on another stream queued after the last chunk's copy (0.02-0.05
         ms a drain on an H200); ``scatter``, the last chunk's scatter (0.25-0.34 ms a drain,
         run 40); ``event``, the other stream only waits and records, with no kernel: no gap,
         the other copies still waited for the whole load (run 43). The last two are kept for

@@ -174,8 +174,9 @@ class TransferEngine:
     """Moves pages between one host pool and its device pool.
 
     ``io_backend``: ``direct`` (default on CPU), ``kernel``, ``dma`` or ``auto``
-    (default on CUDA). The engine never decides *what* to move; the cache
-    controller does.
+    (default on CUDA), or a backend built with its own configuration, e.g.
+    ``DMABackend(DMAConfig(load_drain=0))``. The engine never decides *what*
+    to move; the cache controller does.
 
     On CUDA, backups run on one stream and loads on another (high priority),
     each ordered after the work queued so far on the caller's current stream.
