@@ -109,19 +109,13 @@ def get_backend(name: str | Backend, device: torch.device) -> Backend:
     """
     if isinstance(name, Backend):
         if device.type != "cuda" and name.name != "direct":
-            raise ValueError(
-                f"io_backend={type(name).__name__}(...) (a {name.name!r} backend) needs a CUDA device pool "
-                f"(this one is on {device}); use io_backend='direct', which works everywhere"
-            )
+            _needs_cuda(f"{type(name).__name__}(...) (a {name.name!r} backend)", device)
         return name
     if name not in IO_BACKENDS:
         raise ValueError(f"unknown io_backend {name!r}; use one of {list(IO_BACKENDS)}")
     if device.type != "cuda":
         if name in ("kernel", "dma"):
-            raise ValueError(
-                f"io_backend={name!r} needs a CUDA device pool (this one is on {device}); "
-                "use io_backend='direct', which works everywhere"
-            )
+            _needs_cuda(repr(name), device)
         return _BACKENDS["direct"]
     if name not in _BACKENDS:
         _load_gpu_backends()
@@ -130,6 +124,11 @@ def get_backend(name: str | Backend, device: torch.device) -> Backend:
             f"io_backend={name!r} is not available in this installation; use 'direct'"
         )
     return _BACKENDS[name]
+
+
+def _needs_cuda(label: str, device: torch.device) -> None:
+    raise ValueError(f"io_backend={label} needs a CUDA device pool (this one is on {device}); "
+                     "use io_backend='direct', which works everywhere")
 
 
 def _load_gpu_backends() -> None:

@@ -140,8 +140,6 @@ class StagingRing:
         self.slots = [_Slot() for _ in range(config.buffers)]
         self.next = 0
         self.lock = threading.Lock()
-        self.last = None  # event: the last chunk queued through this ring is done with
-        self.last_copied = None  # event: the last chunk's copy is done
         self._tick = None  # (stream, flag, event) for drains on the copy (DMAConfig.load_drain)
 
     def drain(self, after: str = "copy") -> None:
@@ -152,16 +150,16 @@ class StagingRing:
         run 40); ``event``, the other stream only waits and records, with no kernel: no gap,
         the other copies still waited for the whole load (run 43). The last two are kept for
         ``bench/probes/copy_priority.py``."""
-        if after == "scatter":
-            if self.last is not None:
-                self.side.wait_event(self.last)
+        last = self.slots[self.next - 1]  # the chunk queued last through this ring
+        if last.free is None:  # nothing queued through it yet
             return
-        if self.last_copied is None:
+        if after == "scatter":
+            self.side.wait_event(last.free)
             return
         if self._tick is None:
             self._tick = (torch.cuda.Stream(self.device), torch.empty(1, device=self.device), torch.cuda.Event())
         stream, flag, ev = self._tick
-        stream.wait_event(self.last_copied)
+        stream.wait_event(last.ready)  # a load's copy done (recorded on the side stream)
         if after == "copy":
             with torch.cuda.stream(stream):
                 flag.fill_(0)
@@ -449,12 +447,10 @@ class DMABackend(Backend):
             ring.side.wait_event(slot.free)
             _issue(tall, flat, host_base, slot.buf.data_ptr(), False, ring.side.cuda_stream, self.config.batch_min)
             slot.ready.record(ring.side)
-            ring.last_copied = slot.ready
             cur.wait_event(slot.ready)
             copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, layer, n_layers,
                        False, self.config.gather_blocks, wp)
             slot.free.record(cur)
-            ring.last = slot.free
 
 
 def drains_at(first: int, count: int, every: int) -> bool:
