@@ -16,7 +16,7 @@ Run 39 (``probe_copy_priority_h200.json``): refuted. Priority changed nothing: w
 and 2 the inputs landed at 79 ms whichever stream had which priority; with a window of 1 they
 landed at 3.3-3.8 ms, and the load took 93 ms (79 without). What lets them through is the load's
 queue running dry (window 1 leaves a gap between layers while the host queues the next).
-Run 39's arms run with ``--priority`` (windows need the ``load-window`` branch).
+Run 39's arms (windows, priorities) are in this probe as of 841aa73 on the ``load-window`` branch.
 Second part, ``drain`` arms (``DMAConfig.load_drain=K``): the load queued at once, but every K
 layers its copies wait on the device for the layers before to land, so the copy engine's queue
 runs dry for about one scatter (~0.1 ms) with no host in the loop. Inputs issued right after the
@@ -38,16 +38,14 @@ Usage: python bench/probes/copy_priority.py OUT.json [--tokens N]
 
 from __future__ import annotations
 
-import sys
+import time
 
 import numpy as np
 import torch
 
 from kvtier.bench.transfer import Case
 from kvtier.transfer import TransferEngine
-import time
-
-from kvtier.transfer.dma import DMABackend, DMAConfig, StagingRing
+from kvtier.transfer.dma import DMABackend, DMAConfig
 from probelib import JsonLog, args
 
 PATH, TOKENS = args("/tmp/probe_copy_priority.json")
@@ -55,31 +53,23 @@ log = JsonLog(PATH, tokens=TOKENS)
 N, WORDS = 5, 32768  # five copies of 256 KiB
 
 
-def engine(host, window: int, load_priority: int, drain: int = 0, after: str = "copy") -> TransferEngine:
-    eng = TransferEngine(host, "dma", **({"load_window": window} if window else {}))
-    backend = DMABackend(DMAConfig(load_drain=drain))  # its own staging ring, at the priority under test
+def engine(host, drain: int, after: str) -> TransferEngine:
+    backend = DMABackend(DMAConfig(load_drain=drain))  # its own staging ring
     backend._drain_after = after
-    dev = torch.device("cuda", torch.cuda.current_device())
-    backend._rings[(dev.index, False)] = StagingRing(dev, backend.config, load_priority)
-    eng.backend = backend
-    return eng
+    return TransferEngine(host, backend)
 
 
-def one(eng, h, d, input_stream, delay_ms: float = 0) -> dict:
+def one(eng, h, d, delay_ms: float) -> dict:
     srcs = [(torch.arange(WORDS, dtype=torch.int64) + i).pin_memory() for i in range(N)]
     torch.cuda.synchronize()
-    start, got, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    start, issued, got, end = (torch.cuda.Event(enable_timing=True) for _ in range(4))
     start.record()
     ld = eng.load(h, d)
     if delay_ms:
         time.sleep(delay_ms / 1e3)
-    issued = torch.cuda.Event(enable_timing=True)
     issued.record()
-    s = input_stream or torch.cuda.current_stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        outs = [x.to("cuda", non_blocking=True) for x in srcs]
-        got.record()
+    outs = [x.to("cuda", non_blocking=True) for x in srcs]
+    got.record()
     ld.wait_layer(ld.layer_num - 1)
     end.record()
     end.synchronize()
@@ -89,39 +79,25 @@ def one(eng, h, d, input_stream, delay_ms: float = 0) -> dict:
             "load_done_ms": round(start.elapsed_time(end), 3), "correct": ok}
 
 
-def timed(arms: dict, h, d) -> None:
-    """Two warm-up rounds (plans, staging, Triton), then three timed, the arms in turn."""
-    for _ in range(2):
-        for args_ in arms.values():
-            one(*args_[:1], h, d, *args_[1:])
-    rows = {k: [] for k in arms}
-    for _ in range(3):
-        for k, args_ in arms.items():
-            rows[k].append(one(*args_[:1], h, d, *args_[1:]))
-    for k, v in rows.items():
-        log(k, v)
-
-
 def main():
     case = Case("mha", "layer_first", 64, TOKENS, "cuda", None)
     h, d, _, _ = case.indices(False, np.random.default_rng(0))
-    drains = {}
+    arms = {}
     for k in (0, 1, 2, 4, 8):
         for after in ("copy", "event", "scatter") if k else ("copy",):
-            eng = engine(case.host, 0, -1, k, after)
+            eng = engine(case.host, k, after)
+            on = {"copy": "copy", "event": "copy, no kernel", "scatter": "scatter"}[after]
             for delay in (0, 30):
-                on = {"copy": "copy", "event": "copy, no kernel", "scatter": "scatter"}[after]
-                drains[f"drain every {k} layers on the {on}, inputs {delay} ms after the load"] = (eng, None, delay)
-    timed(drains, h, d)
-    if "--priority" in sys.argv:  # run 39's arms (windows: the load-window branch)
-        high = torch.cuda.Stream(priority=-1)
-        arms = {}
-        for window in (0, 1, 2):
-            for prio in (-1, 0):
-                eng = engine(case.host, window, prio)
-                for way, stream in (("caller's stream", None), ("high-priority stream", high)):
-                    arms[f"window {window}, load side stream priority {prio}, inputs on the {way}"] = (eng, stream)
-        timed(arms, h, d)
+                arms[f"drain every {k} layers on the {on}, inputs {delay} ms after the load"] = (eng, delay)
+    for _ in range(2):  # warm-up: plans, staging, Triton
+        for eng, delay in arms.values():
+            one(eng, h, d, delay)
+    rows = {k: [] for k in arms}
+    for _ in range(3):
+        for k, (eng, delay) in arms.items():
+            rows[k].append(one(eng, h, d, delay))
+    for k, v in rows.items():
+        log(k, v)
 
 
 if __name__ == "__main__":
