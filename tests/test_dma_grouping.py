@@ -257,6 +257,7 @@ def test_chunked_plan_keeps_its_own_copy_of_the_slots():
                                  {"group_target": 0.0}, {"group_target": 1.5}, {"batch_min": 0},
                                  {"kernel_below": -1}, {"kernel_below": 1.5}, {"sort_slots": 1}, {"sort_below": -1},
                                  {"load_drain": -1}, {"load_drain": True},
+                                 {"backup_drain": -1}, {"backup_drain": 2.0},
                                  {"buffers": 1}])
 def test_dma_config_rejects_bad_values_by_name(bad):
     pytest.importorskip("triton")

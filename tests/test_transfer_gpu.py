@@ -132,19 +132,20 @@ def test_dma_parts_in_host_order_and_kernel_parts_in_the_callers_match_direct(so
 @pytest.mark.parametrize("name", ["mha_odd", "mla_fp8_656", "dsa"])
 @pytest.mark.parametrize("ps", [1, 16])
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_layer_chunked_backups_match_direct(name, ps, contiguous):
+@pytest.mark.parametrize("drain", [0, 1, 2])
+def test_layer_chunked_backups_match_direct(name, ps, contiguous, drain):
     """layer_first backups go in chunks of whole layers (every slot in each); staging for one
     layer's worth makes a chunk per layer, the first in the caller's thread and the rest in
-    the engine's."""
+    the engine's; with drains every ``drain`` chunks (``DMAConfig.backup_drain``) too."""
     from kvtier.transfer.dma import DMABackend, DMAConfig
     from kvtier.transfer.dma_plan import LayerChunkedPlan
     spec = SPECS[name]
-    rng = np.random.default_rng(hash((name, ps, contiguous)) % 2**32)
+    rng = np.random.default_rng(hash((name, ps, contiguous, drain)) % 2**32)
     dev, host = _pools(spec, ps, "layer_first")
     n_slots = 96 if ps > 1 else 77
     widest = max(p.item_bytes for p in host.transfer_parts())
     eng = TransferEngine(host, "dma")
-    eng.backend = DMABackend(DMAConfig(staging_bytes=n_slots * widest, kernel_below=0))
+    eng.backend = DMABackend(DMAConfig(staging_bytes=n_slots * widest, kernel_below=0, backup_drain=drain))
     plans = [eng.backend.plan_part(p, np.arange(n_slots), True) for p in host.transfer_parts()]
     assert all(isinstance(p, LayerChunkedPlan) for p in plans) and max(p.n_chunks for p in plans) > 1
     _round_trip_matches_direct(eng, dev, host, "layer_first", ps, "cpu", rng, contiguous=contiguous)
@@ -190,6 +191,30 @@ def test_a_dma_load_that_drains_lets_a_pinned_input_copy_through():
     assert torch.equal(got.cpu(), src)
     assert early, "the input copy landed only after the whole load"
     host.close()
+
+
+def test_a_dma_backup_that_drains_lets_a_small_read_through():
+    """The backup side of drains: a small device -> host read (an engine's sampled tokens,
+    ``.tolist()``) issued while a DMA backup's copies are queued returns before the backup
+    is done when the backup drains after every chunk."""
+    from kvtier.transfer.dma import DMABackend, DMAConfig
+    spec = KVSpec("mha", 16, torch.bfloat16, head_num=8, head_dim=128)  # 4 KiB per token and layer
+    ps, tokens = 64, 32768  # 2 GiB per backup: tens of ms on any PCIe link
+    dev, host = _pools(spec, ps, "layer_first", tokens=tokens)
+    eng = TransferEngine(host, "dma", background_backups=False)  # every copy queued before it returns
+    eng.backend = DMABackend(DMAConfig(backup_drain=1))
+    h = torch.arange(tokens)
+    d = torch.arange(tokens)
+    sampled = torch.arange(8, device="cuda")
+    for _ in range(2):  # the second after plans and staging exist
+        torch.cuda.synchronize()
+        hd = eng.backup(h, d)
+        got = (sampled + 1).tolist()
+        early = not hd.done()
+        hd.synchronize()
+    assert got == list(range(1, 9))
+    assert early, "the read returned only after the whole backup"
+    host.close()  # the bytes of backups that drain: test_layer_chunked_backups_match_direct
 
 
 def test_three_streams_stress():

@@ -91,6 +91,10 @@ class DMAConfig:
     79.6-80.8). An engine that copies its step inputs that way got its 32k
     host hit in 86 ms, not 118 (``probe_copy_priority_h200*.json``,
     ``ttft_h200_*drain*``; runs 37-43).
+    ``backup_drain``: the same for a backup's device -> host copies, every this
+    many staging chunks (an engine reading its sampled tokens while a finished
+    request's KV is written back). Not yet measured on a GPU (prediction: such a
+    copy otherwise waits for the whole backup, as the loads' did).
     """
 
     staging_bytes: int = 128 * MiB
@@ -103,6 +107,7 @@ class DMAConfig:
     sort_slots: bool = True
     sort_below: int = 1 * MiB
     load_drain: int = 4
+    backup_drain: int = 4
 
     def __post_init__(self) -> None:
         for name in ("staging_bytes", "buffers", "gather_blocks", "batch_min"):
@@ -113,8 +118,10 @@ class DMAConfig:
             raise ValueError(f"DMAConfig.buffers must be >= 2 so copies and kernels overlap, got {self.buffers}")
         if isinstance(self.load_group, bool) or not isinstance(self.load_group, int) or self.load_group < 0:
             raise ValueError(f"DMAConfig.load_group must be 0 (measure) or a positive layer count, got {self.load_group!r}")
-        if isinstance(self.load_drain, bool) or not isinstance(self.load_drain, int) or self.load_drain < 0:
-            raise ValueError(f"DMAConfig.load_drain must be 0 (never drain) or a layer count > 0, got {self.load_drain!r}")
+        for name, unit in (("load_drain", "layer"), ("backup_drain", "chunk")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"DMAConfig.{name} must be 0 (never drain) or a {unit} count > 0, got {v!r}")
         for name in ("kernel_below", "sort_below"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -142,14 +149,16 @@ class StagingRing:
         self.lock = threading.Lock()
         self._tick = None  # (stream, flag, event) for drains on the copy (DMAConfig.load_drain)
 
-    def drain(self, after: str = "copy") -> None:
-        """Make the side stream's next copy wait, so its queue runs dry for a moment and the
-        copy engine takes copies other streams queued meanwhile. ``after``: ``copy``, a
-        one-element kernel on another stream queued after the last chunk's copy (0.02-0.05
-        ms a drain on an H200); ``scatter``, the last chunk's scatter (0.25-0.34 ms a drain,
-        run 40); ``event``, the other stream only waits and records, with no kernel: no gap,
-        the other copies still waited for the whole load (run 43). The last two are kept for
-        ``bench/probes/copy_priority.py``."""
+    def drain(self, after: str = "copy", copies=None) -> None:
+        """Make the stream of this ring's copies wait before its next copy, so its queue runs
+        dry for a moment and the copy engine takes copies other streams queued meanwhile.
+        ``copies``: None for a load (copies on the side stream, each done at its slot's
+        ``ready``), or a backup's stream (the caller's; each copy done at its slot's ``free``).
+        ``after``: ``copy``, a one-element kernel on another stream queued after the last
+        chunk's copy (0.02-0.05 ms a drain on an H200); ``scatter`` (loads), the last chunk's
+        scatter (0.25-0.34 ms a drain, run 40); ``event``, the other stream only waits and
+        records, with no kernel: no gap, the other copies still waited for the whole load
+        (run 43). The last two are kept for ``bench/probes/copy_priority.py``."""
         last = self.slots[self.next - 1]  # the chunk queued last through this ring
         if last.free is None:  # nothing queued through it yet
             return
@@ -159,12 +168,12 @@ class StagingRing:
         if self._tick is None:
             self._tick = (torch.cuda.Stream(self.device), torch.empty(1, device=self.device), torch.cuda.Event())
         stream, flag, ev = self._tick
-        stream.wait_event(last.ready)  # a load's copy done (recorded on the side stream)
+        stream.wait_event(last.ready if copies is None else last.free)  # its copy done
         if after == "copy":
             with torch.cuda.stream(stream):
                 flag.fill_(0)
         ev.record(stream)
-        self.side.wait_event(ev)
+        (copies or self.side).wait_event(ev)
 
     def take(self, nbytes: int) -> _Slot:
         slot = self.slots[self.next]
@@ -419,9 +428,12 @@ class DMABackend(Backend):
         """Gather each of ``chunks`` on the side stream (current here), then copy it to the host on
         ``cur``. The gather needs no copies: it runs while the host plans the chunk's."""
         wp = None  # the same for every staging buffer (all 256-byte aligned): worked out once
+        k = self.config.backup_drain
         for i in chunks:
             j0, m = p.items(i)
             l0, nl = p.layer_range(i)
+            if k and i and i % k == 0:  # before take: the ring's last slot is the chunk before
+                ring.drain("copy", cur)
             slot = ring.take(p.staging_bytes)
             wp = wp or self.tables.words(part, p.staging, slot.buf)
             ring.side.wait_event(slot.free)

@@ -1,0 +1,82 @@
+"""Probe: does an engine's small device -> host read wait behind a DMA backup?
+
+Runs 37-43 found that during a 32k DMA load, any host -> device copy another stream queued waited
+for the whole load (80 ms), whatever its stream's priority, until the load's copy queue ran dry
+(``copy_priority.py``); loads now drain every 4 layers (``DMAConfig.load_drain``). A backup copies
+device -> host on the caller's stream, chunk after chunk. An engine reads its sampled tokens with
+``.tolist()`` after every step (a device -> host copy, and the host waits for it), while the KV of
+requests that finished is written back to the host. Prediction: without drains that read returns
+only when the whole backup has landed (about 80 ms for 32k tokens, 4.29 GB); with
+``DMAConfig.backup_drain=K`` within about K staging chunks (128 MiB each, about 2.4 ms); by the
+zero-copy kernel backend at once.
+
+Per arm: a 32k backup (MHA layer_first page 64, allocator slots) through an engine whose
+background thread queues the chunks, then, right away or 30 ms later, ``.tolist()`` of an
+8-element tensor made on the current stream. Host clock from the backup call: when the read was
+issued and when it returned, and when the backup was done (``synchronize`` after the read).
+Usage: python bench/probes/output_copies.py OUT.json [--tokens N]
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from kvtier.bench.transfer import Case
+from kvtier.transfer import TransferEngine
+from kvtier.transfer.dma import DMABackend, DMAConfig
+from probelib import JsonLog, args
+
+PATH, TOKENS = args("/tmp/probe_output_copies.json")
+log = JsonLog(PATH, tokens=TOKENS)
+
+
+def engine(host, backend: str, drain: int = 0) -> TransferEngine:
+    eng = TransferEngine(host, "kernel" if backend == "kernel" else "dma")
+    if backend == "dma":
+        eng.backend = DMABackend(DMAConfig(backup_drain=drain))
+    return eng
+
+
+def one(eng, h, d, delay_ms: float) -> dict:
+    sampled = torch.arange(8, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    handle = eng.backup(h, d)
+    if delay_ms:
+        time.sleep(delay_ms / 1e3)
+    issued = time.perf_counter()
+    got = (sampled + 1).tolist()
+    returned = time.perf_counter()
+    handle.synchronize()
+    done = time.perf_counter()
+    ms = lambda t: round(1e3 * (t - t0), 3)  # noqa: E731
+    return {"read_issued_ms": ms(issued), "read_returned_ms": ms(returned), "backup_done_ms": ms(done),
+            "correct": got == list(range(1, 9))}
+
+
+def main():
+    case = Case("mha", "layer_first", 64, TOKENS, "cuda", None)
+    h, d, _, _ = case.indices(False, np.random.default_rng(0))
+    arms = {}
+    for name, backend, drain in [("dma, no drains", "dma", 0), ("dma, drain every chunk", "dma", 1),
+                                 ("dma, drain every 4 chunks", "dma", 4), ("dma, drain every 8 chunks", "dma", 8),
+                                 ("kernel", "kernel", 0)]:
+        eng = engine(case.host, backend, drain)
+        for delay in (0, 30):
+            arms[f"{name}, read {delay} ms after the backup call"] = (eng, delay)
+    for _ in range(2):  # warm-up: plans, staging, Triton, the engine's thread
+        for eng, delay in arms.values():
+            one(eng, h, d, delay)
+    rows = {k: [] for k in arms}
+    for _ in range(3):
+        for k, (eng, delay) in arms.items():
+            rows[k].append(one(eng, h, d, delay))
+    for k, v in rows.items():
+        log(k, v)
+
+
+if __name__ == "__main__":
+    main()
