@@ -432,7 +432,7 @@ class DMABackend(Backend):
         for i in chunks:
             j0, m = p.items(i)
             l0, nl = p.layer_range(i)
-            if k and i and i % k == 0:  # before take: the ring's last slot is the chunk before
+            if drains_at(i, 1, k):  # before take: the ring's last slot is the chunk before
                 ring.drain("copy", cur)
             slot = ring.take(p.staging_bytes)
             wp = wp or self.tables.words(part, p.staging, slot.buf)
