@@ -11,9 +11,21 @@ only when the whole backup has landed (about 80 ms for 32k tokens, 4.29 GB); wit
 zero-copy kernel backend at once.
 
 Per arm: a 32k backup (MHA layer_first page 64, allocator slots) through an engine whose
-background thread queues the chunks, then, right away or 30 ms later, ``.tolist()`` of an
-8-element tensor made on the current stream. Host clock from the backup call: when the read was
-issued and when it returned, and when the backup was done (``synchronize`` after the read).
+background thread queues the chunks (or, "no background thread", queued before backup()
+returns), then, right away or 30 ms later, ``.tolist()`` of an 8-element tensor made on the
+current stream. Host clock from the backup call: when it returned, when the read was issued and
+when it returned, when the engine's thread was free (the whole backup queued), and when the
+backup was done (``synchronize`` after the read).
+
+Runs 44 (``probe_output_copies_h200_run44.json``, code 94bb6e7: drains 0/1/4/8) and 45
+(``..._run45.json``, this code): the prediction was refuted as put. With no drains and every
+chunk queued, the read returned at 40 ms, not 80. Hypothesis: the backup's two parts (K, V) are
+queued one after the other, the second one's first gather waits for the first one's copies (the
+side stream joins the caller's at each part), so the copy queue runs dry between the parts and a
+read waits for the rest of the part in flight: up to half an MHA backup, all of an MLA one. Issued 30 ms in, it returned 8.4-8.9 ms later with no
+drains, 7.1-7.6 with a drain every 4 chunks, 2.1-2.5 every 1 or 2; issued when backup() had
+queued all (4-9 ms in): 33-36 ms later with none, 2-4 with drains every 1, 2 or 4. The kernel
+backend: 0.4-0.5 ms. Backups took 79.0-80.1 ms in every dma arm.
 Usage: python bench/probes/output_copies.py OUT.json [--tokens N]
 """
 
@@ -33,11 +45,9 @@ PATH, TOKENS = args("/tmp/probe_output_copies.json")
 log = JsonLog(PATH, tokens=TOKENS)
 
 
-def engine(host, backend: str, drain: int = 0) -> TransferEngine:
-    eng = TransferEngine(host, "kernel" if backend == "kernel" else "dma")
-    if backend == "dma":
-        eng.backend = DMABackend(DMAConfig(backup_drain=drain))
-    return eng
+def engine(host, backend: str, drain: int = 0, background: bool = True) -> TransferEngine:
+    io = DMABackend(DMAConfig(backup_drain=drain)) if backend == "dma" else backend
+    return TransferEngine(host, io, background_backups=background)
 
 
 def one(eng, h, d, delay_ms: float) -> dict:
@@ -45,15 +55,19 @@ def one(eng, h, d, delay_ms: float) -> dict:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     handle = eng.backup(h, d)
+    called = time.perf_counter()
     if delay_ms:
         time.sleep(delay_ms / 1e3)
     issued = time.perf_counter()
     got = (sampled + 1).tolist()
     returned = time.perf_counter()
+    # when the engine's thread had queued the whole backup (at once if it has none)
+    queued = eng._issuer.submit(time.perf_counter).result() if eng._issuer is not None else returned
     handle.synchronize()
     done = time.perf_counter()
     ms = lambda t: round(1e3 * (t - t0), 3)  # noqa: E731
-    return {"read_issued_ms": ms(issued), "read_returned_ms": ms(returned), "backup_done_ms": ms(done),
+    return {"backup_returned_ms": ms(called), "read_issued_ms": ms(issued), "read_returned_ms": ms(returned), "backup_done_ms": ms(done),
+            "queued_by_ms": ms(queued),
             "correct": got == list(range(1, 9))}
 
 
@@ -62,11 +76,14 @@ def main():
     h, d, _, _ = case.indices(False, np.random.default_rng(0))
     arms = {}
     for name, backend, drain in [("dma, no drains", "dma", 0), ("dma, drain every chunk", "dma", 1),
-                                 ("dma, drain every 4 chunks", "dma", 4), ("dma, drain every 8 chunks", "dma", 8),
+                                 ("dma, drain every 2 chunks", "dma", 2), ("dma, drain every 4 chunks", "dma", 4),
                                  ("kernel", "kernel", 0)]:
         eng = engine(case.host, backend, drain)
         for delay in (0, 30):
             arms[f"{name}, read {delay} ms after the backup call"] = (eng, delay)
+        if backend == "dma":  # every chunk queued before backup() returns: the queue is full
+            arms[f"{name}, no background thread, read when backup() returns"] = (
+                engine(case.host, backend, drain, background=False), 0)
     for _ in range(2):  # warm-up: plans, staging, Triton, the engine's thread
         for eng, delay in arms.values():
             one(eng, h, d, delay)
