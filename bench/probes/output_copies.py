@@ -26,7 +26,15 @@ read waits for the rest of the part in flight: up to half an MHA backup, all of 
 drains, 7.1-7.6 with a drain every 4 chunks, 2.1-2.5 every 1 or 2; issued when backup() had
 queued all (4-9 ms in): 33-36 ms later with none, 2-4 with drains every 1, 2 or 4. The kernel
 backend: 0.4-0.5 ms. Backups took 79.0-80.1 ms in every dma arm.
-Usage: python bench/probes/output_copies.py OUT.json [--tokens N]
+``--sweep``: the read issued 0 to 70 ms in, MHA and MLA (:func:`sweep`). Prediction (run 46): with
+no drains an MHA read waits until 40 or 80 ms, whichever part it lands in, an MLA read until
+80 ms; with drains every 4 chunks under 10 ms at any delay, for both. Met
+(``probe_output_sweep_h200.json``, median waits): no drains, MHA 28.7, 18.7, 8.4 ms issued 10,
+20, 30 ms in (the K part ends at 39 ms), 37.4, 27.3, 17.3, 7.4 issued 40-70 ms in (the backup
+ends at 79); MLA 31.4, 21.0, 11.0 issued 10-30 ms in (its only part ends at 43). With drains
+every 4 chunks: MHA 6.2-8.2 ms at any delay, MLA 0.3-4.2 (one wait of 8.5); backups took 79.3
+and 43.3 ms, as without. The kernel backend: 0.3-0.5 ms.
+Usage: python bench/probes/output_copies.py OUT.json [--tokens N] [--sweep]
 """
 
 from __future__ import annotations
@@ -95,5 +103,30 @@ def main():
         log(k, v)
 
 
+def sweep():
+    """``--sweep``: the read issued 0-70 ms into the backup, MHA (two parts) and MLA (one), dma
+    with no drains and every 4 chunks, and the kernel; per delay, how long the read waited."""
+    for kind in ("mha", "mla"):
+        case = Case(kind, "layer_first", 64, TOKENS, "cuda", None)
+        h, d, _, _ = case.indices(False, np.random.default_rng(0))
+        engines = {"dma, no drains": engine(case.host, "dma", 0), "dma, drain every 4 chunks": engine(case.host, "dma", 4),
+                   "kernel": engine(case.host, "kernel")}
+        delays = range(0, 80, 10)
+        for eng in engines.values():  # warm-up
+            one(eng, h, d, 0)
+        waits = {name: {t: [] for t in delays} for name in engines}
+        for _ in range(3):
+            for t in delays:
+                for name, eng in engines.items():
+                    r = one(eng, h, d, t)
+                    waits[name][t].append([r["read_issued_ms"], round(r["read_returned_ms"] - r["read_issued_ms"], 3),
+                                           r["backup_done_ms"]])
+        for name, by in waits.items():
+            log(f"{kind}: {name} (per delay: [issued, waited, backup done] ms)", {str(t): v for t, v in by.items()})
+        case.host.close()
+        del case, engines
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    sweep() if "--sweep" in sys.argv else main()
