@@ -93,8 +93,14 @@ class DMAConfig:
     ``ttft_h200_*drain*``; runs 37-43).
     ``backup_drain``: the same for a backup's device -> host copies, every this
     many staging chunks (an engine reading its sampled tokens while a finished
-    request's KV is written back). Not yet measured on a GPU (prediction: such a
-    copy otherwise waits for the whole backup, as the loads' did).
+    request's KV is written back). On an H200, without drains, a small read
+    issued during a 32k DMA backup waited for the end of the part in flight:
+    up to 37 ms for MHA (K then V, 40 ms each), 31 ms for MLA (one part, 43
+    ms); with a drain every 4 chunks (128 MiB each), 0.3-8.2 ms at any point,
+    and the backup took as long (79.3 and 43.3 ms). The DMA backup rows moved
+    by a median of -0.003x; a drain every chunk got reads through in 2-2.5 ms
+    but cost 0.01x one way and 0.04x with a load at once (runs 44-46,
+    ``probe_output_*_h200*.json``, ``transfer_h200_dma_backupdrain*``).
     """
 
     staging_bytes: int = 128 * MiB
