@@ -1,6 +1,6 @@
 """Probe: are auto's three misses in run 32 its own cost, or order and noise?
 
-In run 32 (``bench/results/transfer_h200_verbose.log``) auto ran more than 5% below the best
+In run 32 (``bench/results/transfer_h200_run32_verbose.log``) auto ran more than 5% below the best
 backend on three rows. On two it took the same backend as the row it lost to, on every timed
 transfer: MHA page_head p64 allocator slots, backup and load at once (auto 1.45x, dma 1.58x,
 both by DMA) and DSA layer_first p1 scattered backups (auto 0.709x, kernel 0.761x, both by
