@@ -46,7 +46,7 @@ import torch
 from kvtier.bench.transfer import Case
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.dma import DMABackend, DMAConfig
-from probelib import JsonLog, args
+from probelib import JsonLog, args, in_turn
 
 PATH, TOKENS = args("/tmp/probe_copy_priority.json")
 log = JsonLog(PATH, tokens=TOKENS)
@@ -89,14 +89,7 @@ def main():
             on = {"copy": "copy", "event": "copy, no kernel", "scatter": "scatter"}[after]
             for delay in (0, 30):
                 arms[f"drain every {k} layers on the {on}, inputs {delay} ms after the load"] = (eng, delay)
-    for _ in range(2):  # warm-up: plans, staging, Triton
-        for eng, delay in arms.values():
-            one(eng, h, d, delay)
-    rows = {k: [] for k in arms}
-    for _ in range(3):
-        for k, (eng, delay) in arms.items():
-            rows[k].append(one(eng, h, d, delay))
-    for k, v in rows.items():
+    for k, v in in_turn(arms, lambda arm: one(arm[0], h, d, arm[1])).items():
         log(k, v)
 
 

@@ -27,7 +27,7 @@ import torch
 from kvtier.bench.transfer import Case
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.kernel import on_device
-from probelib import JsonLog, args
+from probelib import JsonLog, args, in_turn
 
 PATH, TOKENS = args("/tmp/probe_input_copies.json")
 log = JsonLog(PATH, tokens=TOKENS)
@@ -64,13 +64,7 @@ def main():
     case = Case("mha", "layer_first", 64, TOKENS, "cuda", None)
     h, d, _, _ = case.indices(False, np.random.default_rng(0))
     eng = TransferEngine(case.host, "dma")
-    for _ in range(2):  # warm-up: plans, staging, Triton
-        for way in ("pageable", "pinned", "sms"):
-            one(eng, h, d, way)
-    rows = {way: [] for way in ("pageable", "pinned", "sms")}
-    for _ in range(3):
-        for way in rows:
-            rows[way].append(one(eng, h, d, way))
+    rows = in_turn({way: way for way in ("pageable", "pinned", "sms")}, lambda way: one(eng, h, d, way))
     conn = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)")
     log(f"mha/layer_first/p64/allocator/load by dma, then 5 x 256 KiB inputs; CUDA_DEVICE_MAX_CONNECTIONS={conn}", rows)
 

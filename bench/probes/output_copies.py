@@ -47,7 +47,7 @@ import torch
 from kvtier.bench.transfer import Case
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.dma import DMABackend, DMAConfig
-from probelib import JsonLog, args
+from probelib import JsonLog, args, in_turn
 
 PATH, TOKENS = args("/tmp/probe_output_copies.json")
 log = JsonLog(PATH, tokens=TOKENS)
@@ -92,14 +92,7 @@ def main():
         if backend == "dma":  # every chunk queued before backup() returns: the queue is full
             arms[f"{name}, no background thread, read when backup() returns"] = (
                 engine(case.host, backend, drain, background=False), 0)
-    for _ in range(2):  # warm-up: plans, staging, Triton, the engine's thread
-        for eng, delay in arms.values():
-            one(eng, h, d, delay)
-    rows = {k: [] for k in arms}
-    for _ in range(3):
-        for k, (eng, delay) in arms.items():
-            rows[k].append(one(eng, h, d, delay))
-    for k, v in rows.items():
+    for k, v in in_turn(arms, lambda arm: one(arm[0], h, d, arm[1])).items():
         log(k, v)
 
 

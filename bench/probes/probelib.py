@@ -37,6 +37,19 @@ def transfer(engine, h, d, to_host: bool) -> None:
         ld.wait_layer(ld.layer_num - 1)
 
 
+def in_turn(arms: dict, run, warmups: int = 2, rounds: int = 3) -> dict:
+    """``run(arm)`` for every arm in turn: ``warmups`` passes thrown away (plans, staging,
+    Triton), then ``rounds`` passes kept, per arm's name a list of what ``run`` returned."""
+    for _ in range(warmups):
+        for arm in arms.values():
+            run(arm)
+    rows = {k: [] for k in arms}
+    for _ in range(rounds):
+        for k, arm in arms.items():
+            rows[k].append(run(arm))
+    return rows
+
+
 def cell(samples: list[float], limit: float) -> dict:
     """One A/B cell: the median GB/s of ``samples``, its ratio to ``limit``, and the samples."""
     gbps = statistics.median(samples)
