@@ -217,6 +217,54 @@ def test_a_dma_backup_that_drains_lets_a_small_read_through():
     host.close()  # the bytes of backups that drain: test_layer_chunked_backups_match_direct
 
 
+def _alias_of(stream: torch.cuda.Stream) -> torch.cuda.Stream:
+    """Another stream object that PyTorch backs with ``stream``'s CUDA stream: it hands out
+    32 pooled streams per priority in turn, so one comes round within 32 draws."""
+    for _ in range(2 * 32):
+        s = torch.cuda.Stream(priority=stream.priority)
+        if s.cuda_stream == stream.cuda_stream:
+            return s
+    pytest.fail(f"no pooled stream at priority {stream.priority} came round to {stream.cuda_stream:#x}")
+
+
+def test_pytorch_pools_streams_and_kvtier_draws_distinct_ones():
+    from kvtier.transfer import streams
+    first = torch.cuda.Stream()
+    assert first.cuda_stream in {torch.cuda.Stream().cuda_stream for _ in range(streams.POOL)}, \
+        "PyTorch no longer pools its streams: kvtier.transfer.streams can go"
+    mine = [streams.fresh(torch.device("cuda")) for _ in range(4)]
+    assert len({s.cuda_stream for s in mine}) == 4
+
+
+@pytest.mark.parametrize("who", ["ring", "caller"])
+def test_aliased_streams_are_drawn_again_and_the_bytes_still_match_direct(who):
+    """``ring``: the engine's backup and load streams share CUDA streams with the DMA
+    staging rings' side streams (gathers and copies would take turns). ``caller``: the
+    caller's current stream is the engine's load stream (the load would hold its compute).
+    Either way the transfer moves every byte right and the streams are apart after it."""
+    spec = SPECS["mha_odd"]
+    rng = np.random.default_rng(7 if who == "ring" else 8)
+    dev, host = _pools(spec, 16, "layer_first")
+    eng = TransferEngine(host, "dma")
+    h = torch.arange(64)
+    eng.backup(h, h).synchronize()
+    eng.load(h, h + 64).synchronize()  # both staging rings exist now
+    rings = {to_host: eng.backend.ring(torch.device("cuda", torch.cuda.current_device()), to_host)
+             for to_host in (True, False)}
+    if who == "ring":
+        eng.backup_stream = _alias_of(rings[True].side)
+        eng.load_stream = _alias_of(rings[False].side)
+        _round_trip_matches_direct(eng, dev, host, "layer_first", 16, "cpu", rng)
+        assert eng.backup_stream.cuda_stream != rings[True].side.cuda_stream
+        assert eng.load_stream.cuda_stream != rings[False].side.cuda_stream
+    else:
+        caller = _alias_of(eng.load_stream)
+        with torch.cuda.stream(caller):
+            _round_trip_matches_direct(eng, dev, host, "layer_first", 16, "cpu", rng)
+        assert eng.load_stream.cuda_stream != caller.cuda_stream
+        assert all(r.side.cuda_stream != caller.cuda_stream for r in rings.values())
+
+
 def test_three_streams_stress():
     """Loads, backups and a forward-like kernel on three streams; every byte checked."""
     spec = SPECS["mha_odd"]

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..layouts import Placement
+from . import streams
 from .base import Backend, TransferPart
 from .cudart import has_batch, memcpy2d, memcpy_batch
 from .dma import DMABackend
@@ -69,7 +70,7 @@ class CostModel:
 
 def calibrate(device: torch.device, kernel_blocks: int) -> CostModel:
     """Time each copy path on scratch buffers of ``CAL_BYTES`` (x2 for pitched rows)."""
-    stream = torch.cuda.Stream(device)
+    stream = streams.fresh(device, 0, (torch.cuda.current_stream(device),))
     with torch.cuda.stream(stream):
         return _calibrate(device, kernel_blocks, stream.cuda_stream)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from . import streams
 from .base import Backend, TransferPart, between_chunks
 from .cudart import has_batch, memcpy2d, memcpy_batch
 from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, HostOrder, LayerChunkedPlan, Runs,
@@ -149,11 +150,16 @@ class StagingRing:
     def __init__(self, device: torch.device, config: DMAConfig, priority: int):
         self.device = device
         self.config = config
-        self.side = torch.cuda.Stream(device, priority=priority)
+        self.priority = priority
+        self._tick = None  # (stream, flag, event) for drains on the copy (DMAConfig.load_drain)
+        streams.register(self)
+        self.side = streams.fresh(device, priority)
         self.slots = [_Slot() for _ in range(config.buffers)]
         self.next = 0
         self.lock = threading.Lock()
-        self._tick = None  # (stream, flag, event) for drains on the copy (DMAConfig.load_drain)
+
+    def kvtier_streams(self):
+        return (getattr(self, "side", None), self._tick and self._tick[0])
 
     def drain(self, after: str = "copy", copies=None) -> None:
         """Make the stream of this ring's copies wait before its next copy, so its queue runs
@@ -171,15 +177,18 @@ class StagingRing:
         if after == "scatter":
             self.side.wait_event(last.free)
             return
+        copies = copies or self.side
         if self._tick is None:
-            self._tick = (torch.cuda.Stream(self.device), torch.empty(1, device=self.device), torch.cuda.Event())
+            self._tick = (None, torch.empty(1, device=self.device), torch.cuda.Event())
+        if self._tick[0] is None or streams.clashes(self._tick[0], self.side, copies):
+            self._tick = (streams.fresh(self.device, 0, (self.side, copies)),) + self._tick[1:]
         stream, flag, ev = self._tick
-        stream.wait_event(last.ready if copies is None else last.free)  # its copy done
+        stream.wait_event(last.ready if copies is self.side else last.free)  # its copy done
         if after == "copy":
             with torch.cuda.stream(stream):
                 flag.fill_(0)
         ev.record(stream)
-        (copies or self.side).wait_event(ev)
+        copies.wait_event(ev)
 
     def take(self, nbytes: int) -> _Slot:
         slot = self.slots[self.next]
@@ -297,7 +306,7 @@ class DMABackend(Backend):
         trial = DMABackend(replace(self.config, load_group=group, kernel_below=0), self.fallback)
         h = torch.from_numpy(np.ascontiguousarray(host_np[:n]))
         d = torch.arange(n, dtype=torch.int64, device=device)
-        stream = torch.cuda.Stream(device)
+        stream = streams.fresh(device, 0, (torch.cuda.current_stream(device),))
 
         def load():
             run = trial.prepare([trial_part], h, d, False)
@@ -417,6 +426,8 @@ class DMABackend(Backend):
         ptrs = self.tables.get(part, d.device)
         host_base = part.host_raw.data_ptr() + (0 if to_host else layer * part.host.layer_stride)
         with ring.lock:
+            if streams.clashes(ring.side, cur):  # the pool handed both out: they would take turns
+                ring.side = streams.replace(ring.side, d.device, ring.priority, cur)
             if to_host or join:
                 ring.side.wait_stream(cur)
             if to_host:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import streams
 from .base import Backend, chunk_hook, get_backend
 from ..validate import require_positive_int
 
@@ -218,8 +219,10 @@ class TransferEngine:
         self._give_way = threading.Condition()
         if self.device.type == "cuda":
             lo, hi = torch.cuda.Stream.priority_range()
-            self.backup_stream = torch.cuda.Stream(self.device, priority=lo)
-            self.load_stream = torch.cuda.Stream(self.device, priority=hi)
+            self._priority = {True: lo, False: hi}
+            streams.register(self)
+            self.backup_stream = streams.fresh(self.device, lo)
+            self.load_stream = streams.fresh(self.device, hi)
 
     @property
     def layer_num(self) -> int:
@@ -258,8 +261,8 @@ class TransferEngine:
         h, d, h_np, d_np = self.host_pool._check_indices(host_indices, device_indices, self.device_pool,
                                                          want_numpy=True)
         parts = self.host_pool.transfer_parts()
-        stream = self.backup_stream if to_host else self.load_stream
         producer = torch.cuda.current_stream(self.device)
+        stream = self._stream(to_host, producer)
         stream.wait_stream(producer)
         self._order_after_conflicts(stream, h_np, d_np, to_host)
         for t in (h, d):
@@ -298,6 +301,21 @@ class TransferEngine:
                 handle = LayerLoad(self.layer_num, nbytes, events, keep=(h, d, run))
         self._inflight.append(_InFlight(handle, h_np, d_np, to_host))
         return handle
+
+    def kvtier_streams(self):
+        return (getattr(self, "backup_stream", None), getattr(self, "load_stream", None))
+
+    def _stream(self, to_host: bool, producer: torch.cuda.Stream) -> torch.cuda.Stream:
+        """The backup or load stream, drawn again if it is the caller's (PyTorch pools its
+        streams: :mod:`kvtier.transfer.streams`); a transfer on the caller's stream would
+        run in turn with its compute."""
+        streams.note_caller(producer)
+        name = "backup_stream" if to_host else "load_stream"
+        stream = getattr(self, name)
+        if streams.clashes(stream, producer):
+            stream = streams.replace(stream, self.device, self._priority[to_host], producer)
+            setattr(self, name, stream)
+        return stream
 
     @contextmanager
     def _load_first(self):
