@@ -34,6 +34,8 @@ class _Runtime:
         size_t, vp = ctypes.c_size_t, ctypes.c_void_p
         lib.cudaMemcpy2DAsync.argtypes = [vp, size_t, vp, size_t, size_t, size_t, ctypes.c_int, vp]
         lib.cudaMemcpy2DAsync.restype = ctypes.c_int
+        lib.cudaMemcpyAsync.argtypes = [vp, vp, size_t, ctypes.c_int, vp]
+        lib.cudaMemcpyAsync.restype = ctypes.c_int
         self.batch = getattr(lib, "cudaMemcpyBatchAsync", None)
         if self.batch is not None:
             args = [vp, vp, vp, size_t, vp, vp, size_t]
@@ -68,6 +70,13 @@ def memcpy2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: i
             f"cudaMemcpy2DAsync failed with error {err} (width {width}, height {height}, "
             f"pitches {dpitch}/{spitch})"
         )
+
+
+def memcpy1d(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Queue one 1-D copy of ``nbytes`` on ``stream`` (a raw cudaStream_t)."""
+    err = _rt().lib.cudaMemcpyAsync(dst, src, nbytes, _DEFAULT_KIND, stream)
+    if err:
+        raise RuntimeError(f"cudaMemcpyAsync failed with error {err} ({nbytes} bytes)")
 
 
 def has_batch() -> bool:
