@@ -257,7 +257,7 @@ def test_chunked_plan_keeps_its_own_copy_of_the_slots():
                                  {"group_target": 0.0}, {"group_target": 1.5}, {"batch_min": 0},
                                  {"kernel_below": -1}, {"kernel_below": 1.5}, {"sort_slots": 1}, {"sort_below": -1},
                                  {"load_drain": -1}, {"load_drain": True},
-                                 {"backup_drain": -1}, {"backup_drain": 2.0},
+                                 {"backup_drain": -1}, {"backup_drain": 2.0}, {"head_bytes": -1},
                                  {"buffers": 1}])
 def test_dma_config_rejects_bad_values_by_name(bad):
     pytest.importorskip("triton")
@@ -475,3 +475,29 @@ def test_a_load_drains_once_per_multiple_of_the_drain_count_and_never_before_its
     holding = {first for first, n in calls if any(first <= m < first + n for m in wanted)}
     assert set(drained) == holding - {0}
     assert len(drained) <= len(wanted)
+
+
+@given(layered=st.booleans(), n_pages=st.integers(1, 200), ps=st.sampled_from([1, 16]),
+       stage_kib=st.sampled_from([64, 256, 1024]), budget_kib=st.integers(0, 8192))
+@settings(max_examples=60)
+def test_head_chunks_are_the_fewest_first_chunks_that_hold_the_budget(layered, n_pages, ps, stage_kib, budget_kib):
+    """``head_chunks``: at least one chunk, at most all; the chunks before the last one it
+    takes hold less than the budget, and with the last they hold it (or it took them all).
+    Chunk bytes counted as the chunks' own copies count them, for slot and layer chunks."""
+    pytest.importorskip("triton")
+    from kvtier.transfer.dma import head_chunks
+    comp = MLA.components[0]
+    pl = LAYOUTS["layer_first" if layered else "page_first"].placement(comp, 61, 256 * ps, ps)
+    h = np.arange(n_pages * ps, dtype=np.int64)
+    stage = stage_kib << 10
+    p = (LayerChunkedPlan(pl, h, max(stage, h.size * pl.item_bytes), ramp=1 << 16) if layered
+         else ChunkedPlan(pl, h, 61, max(stage, 61 * ps * pl.item_bytes), ramp=1 << 16))
+    sizes = []
+    for i in range(p.n_chunks):
+        tall, flat = p.calls(i)
+        sizes.append(int((tall[:, 2] * tall[:, 3]).sum()) + int(flat[:, 2].sum()))
+    budget = budget_kib << 10
+    n = head_chunks(p, 61, pl.item_bytes, budget)
+    assert 1 <= n <= p.n_chunks
+    assert n == 1 or sum(sizes[:n - 1]) < budget
+    assert sum(sizes[:n]) >= budget or n == p.n_chunks

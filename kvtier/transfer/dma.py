@@ -102,6 +102,12 @@ class DMAConfig:
     by a median of -0.003x; a drain every chunk got reads through in 2-2.5 ms
     but cost 0.01x one way and 0.04x with a load at once (runs 44-46,
     ``probe_output_*_h200*.json``, ``transfer_h200_dma_backupdrain*``).
+    ``head_bytes``: a backup's first chunks, up to this many bytes (at least one
+    chunk), are queued in the caller's thread before ``backup()`` returns; the
+    engine's background thread queues the rest. With only the first (8 MiB,
+    0.2 ms of copying) the copy engine then waited 0.9-1.1 ms for the thread's
+    first chunk (H200 run 53). 96 MiB is the first four chunks of the ramp
+    (about 2 ms of copying).
     """
 
     staging_bytes: int = 128 * MiB
@@ -115,6 +121,7 @@ class DMAConfig:
     sort_below: int = 1 * MiB
     load_drain: int = 4
     backup_drain: int = 4
+    head_bytes: int = 96 * MiB
 
     def __post_init__(self) -> None:
         for name in ("staging_bytes", "buffers", "gather_blocks", "batch_min"):
@@ -129,7 +136,7 @@ class DMAConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"DMAConfig.{name} must be 0 (never drain) or a {unit} count > 0, got {v!r}")
-        for name in ("kernel_below", "sort_below"):
+        for name in ("kernel_below", "sort_below", "head_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"DMAConfig.{name} must be a byte count >= 0, got {v!r}")
@@ -379,7 +386,8 @@ class DMABackend(Backend):
         joined = [False]  # a load's copy stream joins the caller's stream once per transfer
         if any(isinstance(p, GroupedPlan) for p in plans):
             self.last_groups = [p.group if isinstance(p, GroupedPlan) else 1 for p in plans]
-        # A backup's first chunk queued ahead by ``head`` (part index), so ``run`` skips it.
+        # A backup's first chunks queued ahead by ``head``: (part index, chunks), so ``run``
+        # skips them.
         ahead = [None]
 
         def run(layer):
@@ -389,7 +397,7 @@ class DMABackend(Backend):
                     used = max(used, self.fallback.copy_part(part, h, d_kernel, layer, blocks))
                     continue
                 if layer is None:
-                    self.run_part(part, p, d, None, first=1 if ahead[0] == k else 0)
+                    self.run_part(part, p, d, None, first=ahead[0][1] if ahead[0] and ahead[0][0] == k else 0)
                 elif n := p.issue_at(layer):  # 0: moved with its group's first layer
                     self.run_part(part, p.plans[n], d, layer, join=not joined[0], n_layers=n)
                     joined[0] = True
@@ -397,13 +405,17 @@ class DMABackend(Backend):
             self.last_blocks = used
 
         def head() -> None:
-            """Queue a backup's first chunk now; ``run(None)`` then queues the rest. The engine
-            calls it in the caller's thread, so the copy engine starts without waiting for the
-            hand-off to its background thread (about 0.5 ms on an H200, run 24 timeline)."""
+            """Queue a backup's first chunks now, up to ``DMAConfig.head_bytes`` (at least one);
+            ``run(None)`` then queues the rest. The engine calls it in the caller's thread, so
+            the copy engine starts without waiting for the hand-off to its background thread,
+            and has the ramp's chunks to copy while that thread starts: with the first chunk
+            alone (8 MiB) it went idle 0.9-1.1 ms before the second (H200 run 53, 2.4% of a
+            32k MLA backup, ``probe_backup_pace_h200.json``)."""
             for k, (part, p) in enumerate(zip(parts, plans)):
                 if p is not None and not isinstance(p, GroupedPlan) and p.n_chunks and ahead[0] is None:
-                    self.run_part(part, p, d, None, stop=1)
-                    ahead[0] = k
+                    stop = head_chunks(p, part.layer_num, part.item_bytes, self.config.head_bytes)
+                    self.run_part(part, p, d, None, stop=stop)
+                    ahead[0] = (k, stop)
                     return
         run.head = head
         return run
@@ -480,6 +492,19 @@ class DMABackend(Backend):
             copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, layer, n_layers,
                        False, self.config.gather_blocks, wp)
             slot.free.record(cur)
+
+
+def head_chunks(p, layer_num: int, item_bytes: int, budget: int) -> int:
+    """How many of backup plan ``p``'s first chunks it takes to hold ``budget`` bytes: at
+    least one, at most all. A chunk moves its items over its layers (all ``layer_num`` where
+    :meth:`layer_range` says None), ``item_bytes`` per item and layer."""
+    n = total = 0
+    while n < p.n_chunks and (n == 0 or total < budget):
+        m = p.items(n)[1]
+        nl = p.layer_range(n)[1]
+        total += m * (layer_num if nl is None else nl) * item_bytes
+        n += 1
+    return n
 
 
 def drains_at(first: int, count: int, every: int) -> bool:
