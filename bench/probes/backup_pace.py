@@ -18,6 +18,17 @@ Part 2, engines with one setting changed, timed in turn: the default; no drains
 (``backup_drain=0``); gathers on all SMs (``gather_blocks=132``); 256 MiB staging; 4 buffers.
 Prediction: before the first copy about 1.1 ms (run 27), gaps under 0.5 ms in all, and the
 chunk copies at 0.98-1.00x; the rest, about 1 ms, is unknown going in.
+Run 53 (``probe_backup_pace_h200_run53.json``): MLA 45.2 ms: 1.37 ms before the first copy,
+then a gap of 1.12 ms before the second (MHA: 1.52, 0.92): the caller's thread queued only
+the first chunk (8 MiB, 0.2 ms of copying) and the background thread's first gather came
+0.6 ms after that copy had ended. Every other gap 0.001-0.055 ms, 1.24 ms in all. Chunk
+copies at 54.0-54.7 GB/s while a gather runs beside them, 55.3 for the last two (none
+does). No setting moved the backup: 0.936-0.944x (MLA), 0.964-0.966x (MHA). So
+``DMAConfig.head_bytes``: the caller's thread now queues the first 96 MiB (the ramp's four
+chunks). Run 54 (``probe_backup_pace_h200.json``), with it: MLA 43.5 ms, 0.86 ms before
+the first copy, gaps 0.34 ms in all (the largest 0.28 ms, at the thread's first chunk),
+0.964x against 0.936x; MHA 80.1 ms, gaps 0.34 ms, 0.967x against 0.964x. Gathers beside
+copies still cost those copies about 2% (54.1-54.4 GB/s against 55.3-55.6 alone).
 Usage: python bench/probes/backup_pace.py OUT.json [--tokens N]
 """
 

@@ -20,6 +20,10 @@ Prediction, if the call is the cause: height-1 2-D copies run 2-4% below ``cudaM
 chunks into the same memory, and the engine's backup sits with the 2-D arm, and with height-1 copies queued by
 ``cudaMemcpyAsync`` (patched in, an arm of its own) it gains as much. If the memory is:
 every arm into the host pool runs 2-4% below the same arm into ``cudaHostAlloc`` memory.
+Run 52 (``probe_copy_calls_h200.json``): both refuted. Every raw arm ran at 0.998-1.004x
+device to host and 0.992-0.996x host to device, whatever the call and the memory; the
+engine's backup 0.942x and load 0.955x, and 0.940x / 0.954x with height-1 copies queued by
+``cudaMemcpyAsync``. The loss is in the engine's own schedule (``backup_pace.py``).
 Usage: python bench/probes/copy_calls.py OUT.json [--tokens N]
 """
 

@@ -23,6 +23,15 @@ with the default and once with ``CUDA_DEVICE_MAX_CONNECTIONS=32``. Prediction, i
 hypothesis holds: with 8 connections the spread between engines in pairs is at least twice
 the spread within one, and with 32 it falls to the spread within one; one-way rows show
 little of either.
+Run 51 (``probe_engine_spread_h200_c8.json``, ``_c32.json``): refuted. The named dma engines
+share one backend, so their staging rings and ring streams are the same; only the engines'
+backup and load streams differ. Spread between engines against within one, as a ratio of
+the limit: MHA page_first p64 scattered pairs 0.062 / 0.044 with 8 connections, 0.042 /
+0.078 with 32; MLA page_first p64 allocator pairs 0.063 / 0.064 and 0.060 / 0.102; MLA
+page_first p1 allocator backups 0.009 / 0.005 and 0.002 / 0.014. Pairs spread as much from
+one round to the next as from one engine to the next, with 8 hardware queues or 32: a
+pair row moves by about 0.06x with nothing changed, so auto's pair misses in run 50 are
+within that. The one-way backups (0.933-0.942x) are steady, so their shortfall is real.
 Usage: python bench/probes/engine_spread.py OUT.json [--tokens N]
 """
 
