@@ -198,3 +198,44 @@ def test_bench_rounds_time_every_row_that_many_times_and_report_the_median():
         ["kernel", "dma", "auto"], ["auto", "dma", "kernel"], ["kernel", "dma", "auto"]]
     res = CliRunner().invoke(main, ["bench", "transfer", "--quick", "--rounds", "0"])
     assert res.exit_code != 0 and "--rounds >= 1" in res.output
+
+
+def test_bench_transfer_times_only_the_layouts_and_slots_asked_for(tmp_path):
+    out = tmp_path / "rows.json"
+    res = CliRunner().invoke(main, ["bench", "transfer", "--quick", "--kind", "mla", "--kind", "dsa", "--page-size", "16",
+                                    "--layout", "page_first", "--slots", "scattered", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = [r for r in json.loads(out.read_text()) if r["backend"] != "contiguous"]
+    # page_first is MLA's only: DSA has none of the layouts asked for, so it has no rows.
+    assert {(r["kind"], r["layout"], r["host_slots"]) for r in rows} == {("mla", "page_first", "scattered")}
+    assert sorted(r["direction"] for r in rows) == ["backup", "both", "load"]
+
+
+def test_bench_transfer_names_a_layout_no_kind_asked_for_supports():
+    res = CliRunner().invoke(main, ["bench", "transfer", "--quick", "--kind", "dsa", "--layout", "page_first"])
+    assert res.exit_code != 0
+    assert "'page_first'" in res.output and "dsa: layer_first" in res.output and "--layout" in res.output
+    res = CliRunner().invoke(main, ["bench", "transfer", "--quick", "--slots", "sorted"])
+    assert res.exit_code != 0 and "sorted" in res.output
+
+
+def test_bench_cases_draw_the_same_slots_whichever_others_run():
+    """A row filtered out of a full run is timed on the slots it had in the full run: each case
+    and kind of host slots has its own seed."""
+    from kvtier.bench import transfer as bt
+    seen = {}
+    real = bt.Case.indices
+
+    def spy(self, scattered, rng):
+        idx = real(self, scattered, rng)
+        seen.setdefault((self.kind, self.layout, scattered), []).append([t.clone() for t in idx])
+        return idx
+    bt.Case.indices = spy
+    try:
+        bt.run_bench(256, 1, ("direct",), ("mla",), (16,), 4, progress=False)
+        bt.run_bench(256, 1, ("direct",), ("mla",), (16,), 4, progress=False, layouts={"page_first"}, slots=("scattered",))
+    finally:
+        bt.Case.indices = real
+    full, alone = seen[("mla", "page_first", True)]
+    assert all(torch.equal(a, b) for a, b in zip(full, alone))
+    assert len(seen[("mla", "layer_first", True)]) == 1  # the filtered run did not time it

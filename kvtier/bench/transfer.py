@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass
 
@@ -30,6 +31,7 @@ from ..transfer.online import DUPLEX, score
 SHAPES = {"mha": "llama-3-8b", "mla": "deepseek-v3", "dsa": "glm-dsa"}
 PAGE_SIZES = (1, 64, 16)  # the acceptance rows (1, 64) first
 DIRECTIONS = ("backup", "load", "both")
+HOST_SLOTS = ("allocator", "scattered")
 # A row whose first timed run takes longer than this is reported from that run alone.
 SLOW_S = 0.5
 
@@ -138,6 +140,7 @@ class Case:
     """One pool pair (kind, layout, page size) and its transfers."""
 
     def __init__(self, kind: str, layout: str, page_size: int, tokens: int, device: str, layers: int | None):
+        self.kind, self.layout = kind, layout
         spec = preset(SHAPES[kind])
         if layers:
             spec = type(spec)(**{**asdict_spec(spec), "layer_num": layers})
@@ -194,7 +197,7 @@ def measure(case: Case, engine: TransferEngine, direction: str, idx, clock: Cloc
 
 
 def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_sizes, layers, progress=True,
-              on_row=None, rounds: int = 1) -> list[Row]:
+              on_row=None, rounds: int = 1, layouts=None, slots=HOST_SLOTS) -> list[Row]:
     """Time every combination; ``on_row(rows, groups, picks)`` is called after each row (partial
     results survive), and once more with ``final=True`` when the limits, measured again at
     the end (the higher of the two counts), have been applied to every row's ratio.
@@ -208,14 +211,18 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
     one way and 0.13x for a backup and a load at once, and pairs drifted down as a case was
     timed (run 30: the second timing 0.05x lower, median): rounds spread that over every
     backend alike.
+    ``layouts``: only these host layouts (None: every one each kind supports); ``slots``: which
+    host slots, ``allocator`` and/or ``scattered``. Each case and kind of host slots draws its
+    device slots (and scattered host pages) from its own seed, so a row is timed on the same
+    slots whichever others run with it.
     """
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     backends = backends if cuda else ("direct",)
     clock = Clock(cuda)
-    rng = np.random.default_rng(0)
-    combos = [(k, lay, ps) for k in kinds for lay in SUPPORTED[k] for ps in page_sizes]
-    total = len(combos) * 2 * len(DIRECTIONS) * len(backends) * rounds
+    combos = [(k, lay, ps) for k in kinds for lay in SUPPORTED[k] if layouts is None or lay in layouts
+              for ps in page_sizes]
+    total = len(combos) * len(slots) * len(DIRECTIONS) * len(backends) * rounds
     rows: list[Row] = []
     bar = tqdm(total=total, desc="bench transfer", disable=not progress)
     limits = None
@@ -229,8 +236,9 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                 rows.append(Row("all", "contiguous", 0, direction, "contiguous", "contiguous",
                                 round(limits[key], 2), round(limits[direction], 2),
                                 round(limits[key] / limits[direction], 3), 0))
-        for scattered in (False, True):
-            idx = case.indices(scattered, rng)
+        for which in [h for h in HOST_SLOTS if h in slots]:
+            scattered = which == "scattered"
+            idx = case.indices(scattered, np.random.default_rng(zlib.crc32(f"{kind}/{layout}/{ps}/{which}".encode())))
             # one copy per slot and layer: minutes, and says nothing new
             timed = [b for b in backends if not (cuda and b == "direct" and ps == 1)]
             bar.update(len(DIRECTIONS) * rounds * (len(backends) - len(timed)))
@@ -354,16 +362,25 @@ def table(rows: list[Row]) -> str:
               show_default=True, help="backends to time (CUDA); only direct runs on the CPU")
 @click.option("--kind", "kinds", multiple=True, default=tuple(SHAPES), show_default=True)
 @click.option("--page-size", "page_sizes", multiple=True, type=int, default=PAGE_SIZES, show_default=True)
+@click.option("--layout", "layouts", multiple=True,
+              help="host layouts to time (default: every one each kind supports)")
+@click.option("--slots", multiple=True, type=click.Choice(HOST_SLOTS), default=HOST_SLOTS, show_default=True,
+              help="host slots as the allocator hands them out, and/or scattered pages")
 @click.option("--quick", is_flag=True, help="tiny shapes (4 layers, 256 tokens): a smoke test for CI")
 @click.option("--verbose", is_flag=True, help="print every row as it is measured")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the rows as JSON here")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="draw every row's ratio against the targets here (PNG)")
-def transfer(tokens, reps, rounds, backends, kinds, page_sizes, quick, verbose, json_path, plot_path):
+def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, quick, verbose, json_path, plot_path):
     """Transfer bandwidth of every backend, kind, layout and page size, as a ratio to the limit."""
     for k in kinds:
         if k not in SHAPES:
             raise click.BadParameter(f"unknown kind {k!r}; use one of {list(SHAPES)}", param_hint="--kind")
+    for lay in layouts:
+        if not any(lay in SUPPORTED[k] for k in kinds):
+            have = "; ".join(f"{k}: {', '.join(SUPPORTED[k])}" for k in kinds)
+            raise click.BadParameter(f"host layout {lay!r} is not one that --kind {', '.join(kinds)} supports "
+                                     f"({have}); pass one of those, or add a kind that has it", param_hint="--layout")
     if tokens < 64 or reps < 1:
         raise click.BadParameter(f"need --tokens >= 64 and --reps >= 1, got {tokens} and {reps}")
     if rounds < 1:
@@ -392,7 +409,8 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, quick, verbose, 
             with open(json_path, "w") as f:
                 json.dump([asdict(r) for r in rows], f, indent=1)
 
-    rows = run_bench(tokens, reps, tuple(backends), kinds, page_sizes, layers, on_row=save, rounds=rounds)
+    rows = run_bench(tokens, reps, tuple(backends), kinds, page_sizes, layers, on_row=save, rounds=rounds,
+                     layouts=set(layouts) or None, slots=tuple(slots))
     if verbose and torch.cuda.is_available():
         from ..transfer.base import get_backend
         for key, rate in get_backend("dma", torch.device("cuda")).group_rates.items():
