@@ -15,7 +15,8 @@ and the gap before it (its start minus the previous copy's end); and the totals:
 first copy, in copies, in gaps, after the last copy.
 
 Part 2, engines with one setting changed, timed in turn: the default; no drains
-(``backup_drain=0``); gathers on all SMs (``gather_blocks=132``); 256 MiB staging; 4 buffers.
+(``backup_drain=0``); gathers on all SMs (``gather_blocks=132``); 256 MiB staging; 4 buffers
+(runs 53-54; the arms since, below).
 Prediction: before the first copy about 1.1 ms (run 27), gaps under 0.5 ms in all, and the
 chunk copies at 0.98-1.00x; the rest, about 1 ms, is unknown going in.
 Run 53 (``probe_backup_pace_h200_run53.json``): MLA 45.2 ms: 1.37 ms before the first copy,
@@ -29,6 +30,9 @@ chunks). Run 54 (``probe_backup_pace_h200.json``), with it: MLA 43.5 ms, 0.86 ms
 the first copy, gaps 0.34 ms in all (the largest 0.28 ms, at the thread's first chunk),
 0.964x against 0.936x; MHA 80.1 ms, gaps 0.34 ms, 0.967x against 0.964x. Gathers beside
 copies still cost those copies about 2% (54.1-54.4 GB/s against 55.3-55.6 alone).
+Since run 54 the settings are: no drains, gathers on 16 and on 8 SMs (longer, gentler
+gathers: do they cost the copies beside them less?), 256 MiB staging (132 SMs and 4 buffers
+moved nothing in runs 53-54). Not yet run.
 Usage: python bench/probes/backup_pace.py OUT.json [--tokens N]
 """
 
@@ -116,8 +120,8 @@ def main():
         idx = case.indices(False, rng)
         name = f"{kind}/{layout}/p{ps}/allocator/backup"
         engines = {"default": TransferEngine(case.host, "dma")}
-        for label, cfg in (("no drains", DMAConfig(backup_drain=0)), ("gathers on 132 SMs", DMAConfig(gather_blocks=132)),
-                           ("256 MiB staging", DMAConfig(staging_bytes=256 << 20)), ("4 buffers", DMAConfig(buffers=4))):
+        for label, cfg in (("no drains", DMAConfig(backup_drain=0)), ("gathers on 16 SMs", DMAConfig(gather_blocks=16)),
+                           ("gathers on 8 SMs", DMAConfig(gather_blocks=8)), ("256 MiB staging", DMAConfig(staging_bytes=256 << 20))):
             engines[label] = TransferEngine(case.host, DMABackend(cfg))
         for eng in engines.values():
             measure(case, eng, "backup", idx, clock, 1)
