@@ -30,9 +30,14 @@ chunks). Run 54 (``probe_backup_pace_h200.json``), with it: MLA 43.5 ms, 0.86 ms
 the first copy, gaps 0.34 ms in all (the largest 0.28 ms, at the thread's first chunk),
 0.964x against 0.936x; MHA 80.1 ms, gaps 0.34 ms, 0.967x against 0.964x. Gathers beside
 copies still cost those copies about 2% (54.1-54.4 GB/s against 55.3-55.6 alone).
-Since run 54 the settings are: no drains, gathers on 16 and on 8 SMs (longer, gentler
-gathers: do they cost the copies beside them less?), 256 MiB staging (132 SMs and 4 buffers
-moved nothing in runs 53-54). Not yet run.
+Since run 54 the probe paces per-layer loads too (a chunk's copies on the ring's side
+stream, its scatter after them), and the settings are: no drains (either way), staging
+kernels (gathers, scatters) on 16 and on 8 SMs (longer, gentler: do they cost the copies
+beside them less?), 256 MiB staging (132 SMs and 4 buffers moved nothing in runs 53-54).
+Prediction: loads show no gap like the backups' (their first copies need no gather), and
+copies beside a staging kernel lose about 2% either way; with 8 SMs less, if the staging
+kernel still keeps up (a 128 MiB chunk's gather took 0.27 ms on 48 SMs, its copy 2.47 ms).
+Not yet run.
 Usage: python bench/probes/backup_pace.py OUT.json [--tokens N]
 """
 
@@ -44,7 +49,7 @@ import kvtier.transfer.dma as dma_mod
 from kvtier.bench.transfer import Case, measure
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.dma import DMABackend, DMAConfig
-from probelib import JsonLog, args, cell, in_turn, start
+from probelib import JsonLog, args, cell, in_turn, start, transfer
 
 PATH, TOKENS = args("/tmp/probe_backup_pace.json")
 log = JsonLog(PATH, tokens=TOKENS)
@@ -52,55 +57,54 @@ SHAPES = [("mla", "page_first", 1), ("mha", "page_first", 1)]
 
 
 class Pace:
-    """Events around every gather (to staging) and every chunk's copies while ``on``."""
+    """Events around every chunk's copies and every staging kernel (a backup's gathers, a
+    load's scatters) of the ``direction`` being paced, while ``on``."""
 
     def __init__(self):
-        self.on = False
+        self.on = None  # None, or True (backups) / False (loads): the direction paced
         self.marks: list[tuple[str, int, int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def _bracket(self, stream, what: str, nbytes: int, calls: int, fn):
+        b, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        b.record(stream)
+        out = fn()
+        e.record(stream)
+        self.marks.append((what, nbytes, calls, b, e))
+        return out
 
     def wrap(self):
         real_issue, real_copy = dma_mod._issue, dma_mod.copy_items
 
         def issue(tall, flat, host_base, stg_base, to_host, stream, *a, **k):
-            if not (self.on and to_host):
-                return real_issue(tall, flat, host_base, stg_base, to_host, stream, *a, **k)
-            s = torch.cuda.ExternalStream(stream)
-            b, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            b.record(s)
-            real_issue(tall, flat, host_base, stg_base, to_host, stream, *a, **k)
-            e.record(s)
+            run = lambda: real_issue(tall, flat, host_base, stg_base, to_host, stream, *a, **k)  # noqa: E731
+            if self.on is None or to_host != self.on:
+                return run()
             nbytes = (int((tall[:, 2] * tall[:, 3]).sum()) if len(tall) else 0) + (int(flat[:, 2].sum()) if len(flat) else 0)
-            self.marks.append(("copy", nbytes, len(tall) + len(flat), b, e))
+            return self._bracket(torch.cuda.ExternalStream(stream), "copy", nbytes, len(tall) + len(flat), run)
 
-        def copy(*a, **k):
-            if not (self.on and a[10]):  # a[10]: to_buf, a gather into staging
+        def copy(*a, **k):  # a[10]: to_buf, a backup's gather into staging (else a load's scatter)
+            if self.on is None or a[10] != self.on:
                 return real_copy(*a, **k)
-            s = torch.cuda.current_stream()
-            b, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            b.record(s)
-            out = real_copy(*a, **k)
-            e.record(s)
-            self.marks.append(("gather", 0, 0, b, e))
-            return out
+            return self._bracket(torch.cuda.current_stream(), "staging", 0, 0, lambda: real_copy(*a, **k))
         dma_mod._issue, dma_mod.copy_items = issue, copy
 
-    def backup(self, eng, h, d) -> dict:
+    def transfer(self, eng, h, d, to_host: bool) -> dict:
         torch.cuda.synchronize()
         self.marks.clear()
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.on = True
+        self.on = to_host
         t0.record()
-        eng.backup(h, d).wait()
+        transfer(eng, h, d, to_host)
         t1.record()
         t1.synchronize()
-        self.on = False
+        self.on = None
         ms = lambda ev: round(t0.elapsed_time(ev), 3)  # noqa: E731
         copies = [(n, c, ms(b), ms(e)) for kind, n, c, b, e in self.marks if kind == "copy"]
-        gathers = [(ms(b), ms(e)) for kind, _, _, b, e in self.marks if kind == "gather"]
+        kernels = [(ms(b), ms(e)) for kind, _, _, b, e in self.marks if kind == "staging"]
         chunks, prev = [], None
         for i, (n, c, b, e) in enumerate(copies):
-            g = gathers[i] if i < len(gathers) else (None, None)
-            chunks.append({"bytes": n, "calls": c, "gather_ms": g, "copy_ms": (b, e),
+            k = kernels[i] if i < len(kernels) else (None, None)
+            chunks.append({"bytes": n, "calls": c, ("gather_ms" if to_host else "scatter_ms"): k, "copy_ms": (b, e),
                            "copy_gbps": round(n / max(e - b, 1e-6) / 1e6, 2),
                            "gap_ms": round(b - prev, 3) if prev is not None else None})
             prev = e
@@ -118,18 +122,21 @@ def main():
     for kind, layout, ps in SHAPES:
         case = Case(kind, layout, ps, TOKENS, "cuda", None)
         idx = case.indices(False, rng)
-        name = f"{kind}/{layout}/p{ps}/allocator/backup"
         engines = {"default": TransferEngine(case.host, "dma")}
-        for label, cfg in (("no drains", DMAConfig(backup_drain=0)), ("gathers on 16 SMs", DMAConfig(gather_blocks=16)),
-                           ("gathers on 8 SMs", DMAConfig(gather_blocks=8)), ("256 MiB staging", DMAConfig(staging_bytes=256 << 20))):
+        for label, cfg in (("no drains", DMAConfig(backup_drain=0, load_drain=0)),
+                           ("staging kernels on 16 SMs", DMAConfig(gather_blocks=16)),
+                           ("staging kernels on 8 SMs", DMAConfig(gather_blocks=8)),
+                           ("256 MiB staging", DMAConfig(staging_bytes=256 << 20))):
             engines[label] = TransferEngine(case.host, DMABackend(cfg))
-        for eng in engines.values():
-            measure(case, eng, "backup", idx, clock, 1)
-        runs = [pace.backup(engines["default"], idx[0], idx[1]) for _ in range(3)]
-        best = min(runs, key=lambda r: r["total_ms"])
-        log(f"{name}: paced", {"totals_ms": [r["total_ms"] for r in runs], "fastest": best})
-        times = in_turn(engines, lambda eng: measure(case, eng, "backup", idx, clock, 3))
-        log(f"{name}: settings", {k: cell(g, limits["backup"]) for k, g in times.items()})
+        for direction in ("backup", "load"):
+            name = f"{kind}/{layout}/p{ps}/allocator/{direction}"
+            for eng in engines.values():
+                measure(case, eng, direction, idx, clock, 1)
+            runs = [pace.transfer(engines["default"], idx[0], idx[1], direction == "backup") for _ in range(3)]
+            best = min(runs, key=lambda r: r["total_ms"])
+            log(f"{name}: paced", {"totals_ms": [r["total_ms"] for r in runs], "fastest": best})
+            times = in_turn(engines, lambda eng: measure(case, eng, direction, idx, clock, 3))
+            log(f"{name}: settings", {k: cell(g, limits[direction]) for k, g in times.items()})
         case.host.close()
         del case, engines
 
