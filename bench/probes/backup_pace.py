@@ -37,11 +37,14 @@ beside them less?), 256 MiB staging (132 SMs and 4 buffers moved nothing in runs
 Prediction: loads show no gap like the backups' (their first copies need no gather), and
 copies beside a staging kernel lose about 2% either way; with 8 SMs less, if the staging
 kernel still keeps up (a 128 MiB chunk's gather took 0.27 ms on 48 SMs, its copy 2.47 ms).
-Not yet run.
+It also logs how long the call itself held the host (``call_returned_ms``): a backup now
+queues its first 96 MiB before it returns. Not yet run.
 Usage: python bench/probes/backup_pace.py OUT.json [--tokens N]
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -49,7 +52,7 @@ import kvtier.transfer.dma as dma_mod
 from kvtier.bench.transfer import Case, measure
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.dma import DMABackend, DMAConfig
-from probelib import JsonLog, args, cell, in_turn, start, transfer
+from probelib import JsonLog, args, cell, in_turn, start
 
 PATH, TOKENS = args("/tmp/probe_backup_pace.json")
 log = JsonLog(PATH, tokens=TOKENS)
@@ -94,7 +97,10 @@ class Pace:
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.on = to_host
         t0.record()
-        transfer(eng, h, d, to_host)
+        called = time.perf_counter()
+        handle = eng.backup(h, d) if to_host else eng.load(h, d)
+        returned_ms = round(1e3 * (time.perf_counter() - called), 3)  # the host's wait for the call
+        handle.wait() if to_host else handle.wait_layer(handle.layer_num - 1)
         t1.record()
         t1.synchronize()
         self.on = None
@@ -109,7 +115,7 @@ class Pace:
                            "gap_ms": round(b - prev, 3) if prev is not None else None})
             prev = e
         total = ms(t1)
-        return {"total_ms": total, "gbps": round(sum(c[0] for c in copies) / total / 1e6, 2),
+        return {"total_ms": total, "call_returned_ms": returned_ms, "gbps": round(sum(c[0] for c in copies) / total / 1e6, 2),
                 "before_first_copy_ms": copies[0][2], "in_copies_ms": round(sum(e - b for _, _, b, e in copies), 3),
                 "in_gaps_ms": round(sum(c["gap_ms"] for c in chunks[1:]), 3),
                 "after_last_copy_ms": round(total - copies[-1][3], 3), "chunks": chunks}
