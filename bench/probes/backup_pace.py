@@ -37,6 +37,10 @@ beside them less?), 256 MiB staging (132 SMs and 4 buffers moved nothing in runs
 Prediction: loads show no gap like the backups' (their first copies need no gather), and
 copies beside a staging kernel lose about 2% either way; with 8 SMs less, if the staging
 kernel still keeps up (a 128 MiB chunk's gather took 0.27 ms on 48 SMs, its copy 2.47 ms).
+Prediction for the caller-busy arms (the caller's thread runs Python for 20 ms after
+``backup()``): the default head loses about 3 ms (0.06-0.08x: the background thread waits for
+the GIL up to the 5 ms switch interval) and a 376 MiB head (about 7 ms of copying) loses
+under 0.01x.
 It also logs how long the call itself held the host (``call_returned_ms``): a backup now
 queues its first 96 MiB before it returns. Not yet run.
 Usage: python bench/probes/backup_pace.py OUT.json [--tokens N]
@@ -121,6 +125,23 @@ class Pace:
                 "after_last_copy_ms": round(total - copies[-1][3], 3), "chunks": chunks}
 
 
+def busy_caller_backup(eng, h, d, spin_ms: float = 20.0) -> float:
+    """Seconds from the backup call to its last copy, the caller's thread running Python for
+    ``spin_ms`` after the call (as a serving engine's main thread does), so the engine's
+    background thread gets the GIL only at Python's switch interval (5 ms)."""
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    handle = eng.backup(h, d)
+    end, x = time.perf_counter() + spin_ms / 1e3, 0
+    while time.perf_counter() < end:
+        x += 1
+    handle.wait()
+    t1.record()
+    t1.synchronize()
+    return t0.elapsed_time(t1) / 1e3
+
+
 def main():
     clock, limits, rng = start(log)
     pace = Pace()
@@ -143,8 +164,13 @@ def main():
             log(f"{name}: paced", {"totals_ms": [r["total_ms"] for r in runs], "fastest": best})
             times = in_turn(engines, lambda eng: measure(case, eng, direction, idx, clock, 3))
             log(f"{name}: settings", {k: cell(g, limits[direction]) for k, g in times.items()})
+        # The caller busy after backup(): the default head, and one of about 5 ms of copying.
+        busy = {"default, caller busy": engines["default"],
+                "376 MiB head, caller busy": TransferEngine(case.host, DMABackend(DMAConfig(head_bytes=376 << 20)))}
+        times = in_turn(busy, lambda eng: case.nbytes / busy_caller_backup(eng, idx[0], idx[1]) / 1e9)
+        log(f"{kind}/{layout}/p{ps}/allocator/backup: caller busy", {k: cell(g, limits["backup"]) for k, g in times.items()})
         case.host.close()
-        del case, engines
+        del case, engines, busy
 
 
 if __name__ == "__main__":
