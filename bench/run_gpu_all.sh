@@ -3,7 +3,8 @@
 # benchmark (all kinds), the TTFT benchmark, and optionally probes (PROBE=names of scripts
 # in bench/probes, space-separated; PROBE_S the time box of each; BACKENDS the bench's --backend options
 # (default kernel, dma and auto); EXTRA_BACKENDS more --backend
-# options for the bench, timed after auto, e.g. "--backend dma@32"; ROUNDS: --rounds; TTFT_BACKENDS: --io-backends of bench ttft; TTFT_ARGS: more options for it, e.g. "--inputs pinned"). Each step is time-boxed and writes
+# options for the bench, timed after auto, e.g. "--backend dma@32"; KINDS: --kind options, and any
+# other filter, e.g. "--kind mla --layout page_first --slots allocator"; ROUNDS: --rounds; TTFT_BACKENDS: --io-backends of bench ttft; TTFT_ARGS: more options for it, e.g. "--inputs pinned"). Each step is time-boxed and writes
 # under $OUT as it goes, so a step that runs long still leaves the others' results.
 # At most 8 files come back from the device: gpu_tests.log (machine facts first),
 # transfer.log, transfer.err, transfer_h200.json, probes.log and one JSON per probe
