@@ -438,8 +438,8 @@ class DMABackend(Backend):
         ptrs = self.tables.get(part, d.device)
         host_base = part.host_raw.data_ptr() + (0 if to_host else layer * part.host.layer_stride)
         with ring.lock:
-            if streams.clashes(ring.side, cur):  # the pool handed both out: they would take turns
-                ring.side = streams.replace(ring.side, d.device, ring.priority, cur)
+            # The pool may hand out the caller's stream as the side stream: they would take turns.
+            ring.side = streams.apart(ring.side, d.device, ring.priority, cur)
             if to_host or join:
                 ring.side.wait_stream(cur)
             if to_host:

@@ -311,10 +311,8 @@ class TransferEngine:
         run in turn with its compute."""
         streams.note_caller(producer)
         name = "backup_stream" if to_host else "load_stream"
-        stream = getattr(self, name)
-        if streams.clashes(stream, producer):
-            stream = streams.replace(stream, self.device, self._priority[to_host], producer)
-            setattr(self, name, stream)
+        stream = streams.apart(getattr(self, name), self.device, self._priority[to_host], producer)
+        setattr(self, name, stream)
         return stream
 
     @contextmanager

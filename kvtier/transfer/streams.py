@@ -18,8 +18,8 @@ that uses them meant them to overlap. For kvtier that means:
 
 So kvtier's streams come from :func:`fresh`, which draws until it gets a
 stream that is none of kvtier's own and none of those it has seen callers
-use. Their users check them with :func:`clashes` before each transfer and
-draw again when a caller's stream has come to share one. Where every stream
+use. Before each transfer their users keep them apart from the caller's stream:
+:func:`apart` draws again where one has come to share it. Where every stream
 of the pool is taken, :func:`fresh` returns an aliased stream and warns once:
 correct, only slower.
 """
@@ -94,8 +94,11 @@ def clashes(stream: torch.cuda.Stream, *others: torch.cuda.Stream) -> bool:
     return h in _callers or any(h == o.cuda_stream for o in others)
 
 
-def replace(old: torch.cuda.Stream, device, priority: int, *avoid: torch.cuda.Stream) -> torch.cuda.Stream:
-    """A :func:`fresh` stream in place of ``old``, ordered after what ``old`` holds so far."""
-    new = fresh(device, priority, (old,) + avoid)
-    new.wait_stream(old)
+def apart(stream: torch.cuda.Stream, device, priority: int, *others: torch.cuda.Stream) -> torch.cuda.Stream:
+    """``stream`` if it :func:`clashes` with none of ``others``; else a :func:`fresh` stream in
+    its place, ordered after what ``stream`` holds so far."""
+    if not clashes(stream, *others):
+        return stream
+    new = fresh(device, priority, (stream,) + others)
+    new.wait_stream(stream)
     return new
