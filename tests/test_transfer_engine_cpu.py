@@ -219,7 +219,7 @@ def test_bench_transfer_names_a_layout_no_kind_asked_for_supports():
     assert res.exit_code != 0 and "sorted" in res.output
 
 
-def test_bench_cases_draw_the_same_slots_whichever_others_run():
+def test_bench_cases_draw_the_same_slots_whichever_others_run(monkeypatch):
     """A row filtered out of a full run is timed on the slots it had in the full run: each case
     and kind of host slots has its own seed."""
     from kvtier.bench import transfer as bt
@@ -230,12 +230,9 @@ def test_bench_cases_draw_the_same_slots_whichever_others_run():
         idx = real(self, scattered, rng)
         seen.setdefault((self.kind, self.layout, scattered), []).append([t.clone() for t in idx])
         return idx
-    bt.Case.indices = spy
-    try:
-        bt.run_bench(256, 1, ("direct",), ("mla",), (16,), 4, progress=False)
-        bt.run_bench(256, 1, ("direct",), ("mla",), (16,), 4, progress=False, layouts={"page_first"}, slots=("scattered",))
-    finally:
-        bt.Case.indices = real
+    monkeypatch.setattr(bt.Case, "indices", spy)
+    bt.run_bench(256, 1, ("direct",), ("mla",), (16,), 4, progress=False)
+    bt.run_bench(256, 1, ("direct",), ("mla",), (16,), 4, progress=False, layouts={"page_first"}, slots=("scattered",))
     full, alone = seen[("mla", "page_first", True)]
     assert all(torch.equal(a, b) for a, b in zip(full, alone))
     assert len(seen[("mla", "layer_first", True)]) == 1  # the filtered run did not time it
