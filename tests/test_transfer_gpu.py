@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -595,6 +596,49 @@ def test_a_backup_and_a_load_issued_back_to_back_move_the_right_bytes(backend, b
                 st.view(torch.uint8).random_(0, 256)
         ref.close()
     finally:
+        dma.config = old
+    host.close()
+
+
+def test_backups_complete_when_the_background_thread_gets_no_turn():
+    """The engine's thread is held (as a caller busy in Python starves it of the GIL): two
+    backups to the same host slots are left pending after their heads. Polling the second's
+    ``done()`` queues both in the caller's thread, in order, so the host ends with the second's
+    bytes (H200 run 58: a busy caller slowed a backup to 0.05x of the link)."""
+    import threading
+    from dataclasses import replace
+
+    from kvtier.transfer.base import get_backend
+    spec = KVSpec("mha", 8, torch.bfloat16, head_num=8, head_dim=128)  # 32 KiB per token
+    tokens = 2048
+    dev, host = _pools(spec, 16, "page_first", tokens=2 * tokens)
+    eng = TransferEngine(host, "dma")
+    dma = get_backend("dma", torch.device("cuda"))
+    old, dma.config = dma.config, replace(dma.config, staging_bytes=4 << 20, head_bytes=0)
+    gate = threading.Event()
+    try:
+        for st in dev.stacks.values():
+            st.view(torch.uint8).random_(0, 256)
+        ref = host_pool_for(dev, "page_first", host_size_tokens=host.size)
+        for c in host.component_tensors:
+            ref.raw_bytes(c).copy_(host.raw_bytes(c))
+        backlog = eng._backlog_()
+        held = eng._issuer.submit(gate.wait, 60)  # the thread's next turn comes after this
+        rng = np.random.default_rng(5)
+        h = torch.arange(tokens)
+        d1, d2 = _pages(rng, 2 * tokens // 16, tokens // 16, 16), _pages(rng, 2 * tokens // 16, tokens // 16, 16)
+        first, second = eng.backup(h, d1), eng.backup(h, d2)
+        assert len(backlog) == 2 and not first._queued.done()  # only the first head is queued
+        deadline = time.perf_counter() + 20
+        while not second.done():
+            assert time.perf_counter() < deadline, "the backup waited for the held thread"
+        assert first.done() and len(backlog) == 0 and not held.done()
+        ref.backup_from_device_all_layer(dev, h, d2, "direct")
+        for c in host.component_tensors:
+            assert torch.equal(ref.raw_bytes(c), host.raw_bytes(c)), c
+        ref.close()
+    finally:
+        gate.set()
         dma.config = old
     host.close()
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from . import streams
+from .backlog import Backlog
 from .base import Backend, chunk_hook, get_backend
 from ..validate import require_positive_int
 
@@ -44,20 +45,27 @@ class TransferHandle:
     ``queued``: set when a background thread queues the transfer's copies;
     the event is recorded (after them) once it is done, and an error the
     thread hit is raised by ``done``, ``wait`` and ``synchronize``.
+    ``pump(queued)``: queues, in the calling thread, whatever is still pending up to
+    this transfer (:class:`~.backlog.Backlog`); ``done``, ``wait`` and ``synchronize``
+    call it, so the transfer never waits for the background thread to get the GIL.
     """
 
     def __init__(self, nbytes: int = 0, event=None, started: float | None = None, keep=(),
-                 queued: Future | None = None):
+                 queued: Future | None = None, pump=None):
         self.nbytes = nbytes
         self._event = event
         self._keep = keep
         self._queued = queued
+        self._pump = pump
         self.started = time.perf_counter() if started is None else started
         self.finished_at: float | None = None if event is not None else self.started
 
     def _await_queued(self, raise_error: bool = True) -> None:
-        """Block the host until every copy is queued (not until they have run)."""
+        """Block the host until every copy is queued (not until they have run), queueing
+        what is still pending in this thread."""
         if self._queued is not None:
+            if self._pump is not None and not self._queued.done():
+                self._pump(self._queued)
             err = self._queued.exception()
             if err is not None and raise_error:
                 raise err
@@ -69,7 +77,10 @@ class TransferHandle:
         return self._event is None or self._event.query()
 
     def done(self) -> bool:
-        if self._queued is not None and not self._queued.done():
+        """Whether every copy has run. While some are still to be queued, queues them first
+        (a few ms of host work at most: this is what keeps a backup moving while the caller's
+        thread is busy)."""
+        if self._queued is not None and not self._queued.done() and self._pump is None:
             return False
         self._await_queued()
         if self._event is None or self._event.query():
@@ -193,7 +204,12 @@ class TransferEngine:
     background thread (in order, one backup after another). Queueing a 4 GiB backup
     takes the host 8-10 ms per part (H200, ``probe_host_timeline_h200_run21.json``):
     inline, a load issued right after it started only once that was done.
-    ``False`` queues everything in the caller's thread before returning.
+    That thread needs the GIL between its calls into CUDA; a caller's thread busy in
+    Python lends it only every ``sys.getswitchinterval()``, so whatever is still pending
+    is queued by the caller's thread as soon as it asks about a backup (``done``,
+    ``wait``, ``synchronize``, or a transfer ordered after it): poll ``done()`` from a
+    busy loop (:mod:`.backlog`). ``False`` queues everything in the caller's thread
+    before returning.
     """
 
     def __init__(self, host_pool, io_backend: str | Backend | None = None, *, block_quota: int | None = None,
@@ -214,7 +230,8 @@ class TransferEngine:
         self._inflight: list[_InFlight] = []
         self.background_backups = background_backups
         self._issuer: ThreadPoolExecutor | None = None
-        self._last_queued: Future | None = None  # the latest backup handed to the thread
+        self._backlog: Backlog | None = None  # backups still to be queued (background_backups)
+        self._last_queued: Future | None = None  # the latest backup handed to the backlog
         self._loading = 0  # loads being prepared now: the background thread gives way to them
         self._give_way = threading.Condition()
         if self.device.type == "cuda":
@@ -280,11 +297,12 @@ class TransferEngine:
                     if head is not None and (self._last_queued is None or self._last_queued.done()):
                         queued = _queue_head(stream, head, event)
                     if queued is None:
-                        queued = self._last_queued = self._issue_thread().submit(self._queue_backup, stream,
-                                                                                 run, event)
+                        queued = self._last_queued = self._backlog_().add(
+                            lambda: _queue_backup(stream, run, event))
                 else:
                     _queue_backup(stream, run, event)
-                handle = TransferHandle(nbytes, event, keep=(h, d, run), queued=queued)
+                handle = TransferHandle(nbytes, event, keep=(h, d, run), queued=queued,
+                                        pump=self._backlog.pump if self._backlog is not None else None)
             else:
                 # Until the first layer's copies are queued, the background thread pauses
                 # between its chunks: it held the GIL often enough to slow a load's
@@ -333,17 +351,18 @@ class TransferEngine:
             if self._loading:
                 self._give_way.wait(GIVE_WAY_S)
 
-    def _queue_backup(self, stream, run, event) -> None:
-        """In the background thread: queue a backup, giving way to loads being prepared."""
+    def _pump_in_thread(self, pump) -> None:
+        """In the background thread: queue pending backups, giving way to loads being prepared."""
         with chunk_hook(self._pause_for_loads):
-            _queue_backup(stream, run, event)
+            pump()
 
-    def _issue_thread(self) -> ThreadPoolExecutor:
+    def _backlog_(self) -> Backlog:
         if self._issuer is None:
             index = torch.cuda.current_device() if self.device.index is None else self.device.index
             self._issuer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-backup",
                                               initializer=torch.cuda.set_device, initargs=(index,))
-        return self._issuer
+            self._backlog = Backlog(lambda pump: self._issuer.submit(self._pump_in_thread, pump))
+        return self._backlog
 
     def _runner(self, parts, h, d, to_host: bool, h_np: np.ndarray):
         prepare = getattr(self.backend, "prepare", None)

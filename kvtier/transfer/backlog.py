@@ -1,0 +1,59 @@
+"""Backups whose copies are still to be queued, queued in order by whichever thread gets there first.
+
+The transfer engine hands a backup's chunk loop (host work: 3-8 ms for a 32k-token backup
+on an H200) to a background thread, so that ``backup()`` returns at once and a load issued
+next is queued first. But that thread needs the GIL between every call into CUDA, and a
+caller's thread that keeps running Python gives it up only every ``sys.getswitchinterval()``
+(5 ms): an MLA backup then crawled at 0.05x of the link (H200 run 58,
+``bench/results/probe_busy_caller_h200_run58.json``). So the caller's thread queues whatever is
+still pending whenever it asks about a backup (``done``, ``wait``, ``synchronize``, a
+transfer ordered after it): the backup then never waits for the thread to get a turn.
+
+Jobs run exactly once and in the order they were added; a job that raises fails its own
+future only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Callable
+
+
+class Backlog:
+    """Jobs queued in order by :meth:`pump`, from the worker (``start_worker``) or any caller."""
+
+    def __init__(self, start_worker: Callable[[Callable[[], None]], object]):
+        self._start_worker = start_worker  # runs its argument in another thread, some time
+        self._jobs: deque[tuple[Callable[[], None], Future]] = deque()
+        self._lock = threading.Lock()  # held while a job runs: one at a time, in order
+
+    def add(self, job: Callable[[], None]) -> Future:
+        """Queue ``job`` after every job added before it; its future is set once it has run."""
+        fut: Future = Future()
+        self._jobs.append((job, fut))
+        self._start_worker(self.pump)
+        return fut
+
+    def pump(self, upto: Future | None = None) -> None:
+        """Run pending jobs in this thread, in order: all of them, or until ``upto`` is done.
+        If another thread is running one, wait for it (that releases the GIL, so it finishes
+        at full speed) and go on."""
+        while upto is None or not upto.done():
+            with self._lock:
+                if not self._jobs:
+                    return
+                job, fut = self._jobs.popleft()
+                try:
+                    job()
+                except BaseException as err:  # noqa: BLE001 - handed to the job's future
+                    fut.set_exception(err)
+                    if not isinstance(err, Exception):  # KeyboardInterrupt, SystemExit: not swallowed
+                        raise
+                else:
+                    fut.set_result(None)
+
+    def __len__(self) -> int:
+        """Jobs not yet started."""
+        return len(self._jobs)
