@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.transfer.backlog import Backlog
+from kvtier.transfer.backlog import STALL_S, Backlog
 
 
 class Boom(Exception):
@@ -145,3 +145,19 @@ def test_keyboard_interrupt_is_not_swallowed():
     with pytest.raises(KeyboardInterrupt):
         backlog.pump()
     assert isinstance(f.exception(), KeyboardInterrupt)
+
+
+def test_pump_if_stalled_leaves_a_job_that_is_getting_on_to_the_worker():
+    backlog = Backlog(lambda pump: None)
+    ran = []
+    f = backlog.add(lambda: ran.append(0))
+    backlog.pump(f, if_stalled=True)  # just added: the worker is given its turn
+    assert ran == [] and not f.done()
+    time.sleep(2 * STALL_S)
+    backlog.progress()  # the job moved on just now (a chunk queued)
+    backlog.pump(f, if_stalled=True)
+    assert ran == []
+    time.sleep(2 * STALL_S)
+    assert backlog.stalled()
+    backlog.pump(f, if_stalled=True)
+    assert ran == [0] and f.done()

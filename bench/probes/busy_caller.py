@@ -17,8 +17,9 @@ queues nothing): idle 0.966x (MLA) / 0.975x (MHA); busy 0.047x / 0.039x (2-3 GB/
 the switch interval at 1 ms 0.26x / 0.23x, at 0.25 ms 0.94x / 0.87x; busy, launching
 0.20x / 0.16x; queued inline (``background_backups=False``) 0.96x / 0.98x busy or idle, the
 call holding the caller 3.5-5.4 ms (MLA) and 5.6-8.4 ms (MHA).
-So a handle's ``done``/``wait``/``synchronize`` now queue, in the caller's thread, whatever the
-engine's thread has not yet queued (:mod:`kvtier.transfer.backlog`). Arms since: the caller
+So a handle's ``wait``/``synchronize``, and its ``done`` once the engine's thread has queued
+nothing for 1 ms, now queue in the caller's thread whatever that thread has not yet queued
+(:mod:`kvtier.transfer.backlog`). Arms since: the caller
 not asking (as run 58), with a 0.25 ms switch interval, asking ``done()`` every 0.2 ms and
 every 5 ms (a scheduler's step), busy launching and asking every 1 ms, and inline.
 Prediction: asking every 0.2 ms as inline (0.95-0.98x); every 5 ms about 5 ms late at most

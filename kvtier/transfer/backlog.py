@@ -6,8 +6,11 @@ next is queued first. But that thread needs the GIL between every call into CUDA
 caller's thread that keeps running Python gives it up only every ``sys.getswitchinterval()``
 (5 ms): an MLA backup then crawled at 0.05x of the link (H200 run 58,
 ``bench/results/probe_busy_caller_h200_run58.json``). So the caller's thread queues whatever is
-still pending whenever it asks about a backup (``done``, ``wait``, ``synchronize``, a
-transfer ordered after it): the backup then never waits for the thread to get a turn.
+still pending when it waits for a backup (``wait``, ``synchronize``, a transfer ordered
+after it), and when it asks ``done`` while the thread has queued nothing for ``STALL_S``:
+the backup then never waits long for the thread to get a turn, and a caller that polls
+right after ``backup()`` (then issues a load) does not take the queueing on itself while
+the thread is getting on with it.
 
 Jobs run exactly once and in the order they were added; a job that raises fails its own
 future only.
@@ -16,9 +19,14 @@ future only.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Callable
+
+# ``done`` queues a backup's pending copies itself once the thread has queued nothing for this
+# long: a 128 MiB chunk is ~2.4 ms of copying on an H200 and the thread queues one in ~0.2 ms.
+STALL_S = 0.001
 
 
 class Backlog:
@@ -28,23 +36,37 @@ class Backlog:
         self._start_worker = start_worker  # runs its argument in another thread, some time
         self._jobs: deque[tuple[Callable[[], None], Future]] = deque()
         self._lock = threading.Lock()  # held while a job runs: one at a time, in order
+        self._progress = time.perf_counter()  # when a job last started, was added, or moved on
 
     def add(self, job: Callable[[], None]) -> Future:
         """Queue ``job`` after every job added before it; its future is set once it has run."""
         fut: Future = Future()
+        if not self._jobs:
+            self._progress = time.perf_counter()
         self._jobs.append((job, fut))
         self._start_worker(self.pump)
         return fut
 
-    def pump(self, upto: Future | None = None) -> None:
+    def progress(self) -> None:
+        """A job calls this as it gets on (between its chunks)."""
+        self._progress = time.perf_counter()
+
+    def stalled(self, for_s: float = STALL_S) -> bool:
+        """Whether no job has started or moved on for ``for_s`` seconds."""
+        return time.perf_counter() - self._progress >= for_s
+
+    def pump(self, upto: Future | None = None, if_stalled: bool = False) -> None:
         """Run pending jobs in this thread, in order: all of them, or until ``upto`` is done.
         If another thread is running one, wait for it (that releases the GIL, so it finishes
-        at full speed) and go on."""
+        at full speed) and go on. ``if_stalled``: only if :meth:`stalled`, else return at once."""
+        if if_stalled and not self.stalled():
+            return
         while upto is None or not upto.done():
             with self._lock:
                 if not self._jobs:
                     return
                 job, fut = self._jobs.popleft()
+                self._progress = time.perf_counter()
                 try:
                     job()
                 except BaseException as err:  # noqa: BLE001 - handed to the job's future

@@ -45,9 +45,10 @@ class TransferHandle:
     ``queued``: set when a background thread queues the transfer's copies;
     the event is recorded (after them) once it is done, and an error the
     thread hit is raised by ``done``, ``wait`` and ``synchronize``.
-    ``pump(queued)``: queues, in the calling thread, whatever is still pending up to
-    this transfer (:class:`~.backlog.Backlog`); ``done``, ``wait`` and ``synchronize``
-    call it, so the transfer never waits for the background thread to get the GIL.
+    ``pump(queued, if_stalled=False)``: queues, in the calling thread, whatever is still
+    pending up to this transfer (:class:`~.backlog.Backlog`); ``wait`` and ``synchronize``
+    call it, and ``done`` when the background thread has stalled, so the transfer never
+    waits long for that thread to get the GIL.
     """
 
     def __init__(self, nbytes: int = 0, event=None, started: float | None = None, keep=(),
@@ -77,11 +78,14 @@ class TransferHandle:
         return self._event is None or self._event.query()
 
     def done(self) -> bool:
-        """Whether every copy has run. While some are still to be queued, queues them first
-        (a few ms of host work at most: this is what keeps a backup moving while the caller's
-        thread is busy)."""
-        if self._queued is not None and not self._queued.done() and self._pump is None:
-            return False
+        """Whether every copy has run. While some are still to be queued and the background
+        thread has queued nothing for a while (:data:`~.backlog.STALL_S`: the caller's thread
+        keeps the GIL), queues them first: a few ms of host work at most."""
+        if self._queued is not None and not self._queued.done():
+            if self._pump is not None:
+                self._pump(self._queued, if_stalled=True)
+            if not self._queued.done():
+                return False
         self._await_queued()
         if self._event is None or self._event.query():
             if self.finished_at is None:
@@ -352,8 +356,13 @@ class TransferEngine:
                 self._give_way.wait(GIVE_WAY_S)
 
     def _pump_in_thread(self, pump) -> None:
-        """In the background thread: queue pending backups, giving way to loads being prepared."""
-        with chunk_hook(self._pause_for_loads):
+        """In the background thread: queue pending backups, giving way to loads being prepared
+        (a pause that is not a stall: :meth:`Backlog.progress` after it too)."""
+        def between():
+            self._backlog.progress()
+            self._pause_for_loads()
+            self._backlog.progress()
+        with chunk_hook(between):
             pump()
 
     def _backlog_(self) -> Backlog:
