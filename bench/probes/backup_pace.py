@@ -26,7 +26,7 @@ the first chunk (8 MiB, 0.2 ms of copying) and the background thread's first gat
 copies at 54.0-54.7 GB/s while a gather runs beside them, 55.3 for the last two (none
 does). No setting moved the backup: 0.936-0.944x (MLA), 0.964-0.966x (MHA). So
 ``DMAConfig.head_bytes``: the caller's thread now queues the first 96 MiB (the ramp's four
-chunks). Run 54 (``probe_backup_pace_h200.json``), with it: MLA 43.5 ms, 0.86 ms before
+chunks). Run 54 (``probe_backup_pace_h200_run54.json``), with it: MLA 43.5 ms, 0.86 ms before
 the first copy, gaps 0.34 ms in all (the largest 0.28 ms, at the thread's first chunk),
 0.964x against 0.936x; MHA 80.1 ms, gaps 0.34 ms, 0.967x against 0.964x. Gathers beside
 copies still cost those copies about 2% (54.1-54.4 GB/s against 55.3-55.6 alone).
@@ -42,7 +42,17 @@ Prediction for the caller-busy arms (the caller's thread runs Python for 20 ms a
 the GIL up to the 5 ms switch interval) and a 376 MiB head (about 7 ms of copying) loses
 under 0.01x.
 It also logs how long the call itself held the host (``call_returned_ms``): a backup now
-queues its first 96 MiB before it returns. Not yet run.
+queues its first 96 MiB before it returns.
+Run 55 (``probe_backup_pace_h200.json``, branch head-join: chunks after the head no longer
+join the caller's stream again): MLA backup 44.0 ms, gaps 0.17 ms in all (run 54: 0.34;
+predicted 0.07), before the first copy 1.56 ms, the call returned after 2.5 ms; MHA gaps
+0.31 ms. Loads: gaps 0.05 ms (MLA) and 0.10 ms (MHA), as predicted. Gentler staging kernels
+refuted: on 16 SMs the same or worse (MLA load 0.957 -> 0.929x), on 8 SMs the scatters no
+longer keep up (MLA load 0.54x), backups -0.01x. The busy caller lost far more than
+predicted: MLA 0.946 -> 0.658x, MHA 0.967 -> 0.776x (about the whole 16-20 ms of Python),
+and a 376 MiB head won back only a third (0.755x, 0.828x): the thread got almost no turn
+while the caller ran Python. ``bench/probes/busy_caller.py`` follows that up.
+So the largest loss left in an idle MLA backup is before its first copy (1.56 ms of 44).
 Usage: python bench/probes/backup_pace.py OUT.json [--tokens N]
 """
 

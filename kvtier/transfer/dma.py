@@ -410,7 +410,7 @@ class DMABackend(Backend):
             the copy engine starts without waiting for the hand-off to its background thread,
             and has the ramp's chunks to copy while that thread starts: with the first chunk
             alone (8 MiB) it went idle 0.9-1.1 ms before the second (H200 run 53, 2.4% of a
-            32k MLA backup, ``probe_backup_pace_h200.json``)."""
+            32k MLA backup, ``probe_backup_pace_h200_run53.json``)."""
             for k, (part, p) in enumerate(zip(parts, plans)):
                 if p is not None and not isinstance(p, GroupedPlan) and p.n_chunks and ahead[0] is None:
                     stop = head_chunks(p, part.layer_num, part.item_bytes, self.config.head_bytes)
