@@ -450,7 +450,7 @@ class DMABackend(Backend):
                 d.record_stream(ring.side)
                 # Only the gathers use the current stream (every copy and event names its
                 # stream): entering the side stream once, not per chunk, saves the host
-                # ~25 us a chunk (H200 profile, bench/results/probe_host_profile_h200*).
+                # ~25 us a chunk (H200 profile, bench/results/probe_host_profile_h200_run19*).
                 with torch.cuda.stream(ring.side):
                     self._backup_chunks(ring, cur, part, p, ptrs, d, host_base,
                                         range(first, p.n_chunks if stop is None else stop))
