@@ -24,6 +24,10 @@ not asking (as run 58), with a 0.25 ms switch interval, asking ``done()`` every 
 every 5 ms (a scheduler's step), busy launching and asking every 1 ms, and inline.
 Prediction: asking every 0.2 ms as inline (0.95-0.98x); every 5 ms about 5 ms late at most
 (0.90x or better for MLA's 44 ms); not asking as run 58.
+Run 59 (``probe_busy_caller_h200.json``, with the backlog), MLA / MHA: idle 0.960x / 0.977x;
+busy, not asking 0.047x / 0.043x; busy asking ``done()`` every 0.2 ms 0.968x / 0.979x, every
+5 ms 0.922x / 0.959x; busy launching and asking every 1 ms 0.950x / 0.973x; inline 0.966x /
+0.979x (the call held the caller 3.6-4.9 ms and 9.5-9.8 ms). Predictions met.
 Usage: python bench/probes/busy_caller.py OUT.json [--tokens N]
 """
 

@@ -28,9 +28,18 @@ MLA pairs 77.8-79.5 GB/s in the background against 66.6-69.3 inline, MHA
 87-92 against 75-84 (``probe_host_timeline_h200_run22.json``). Run 23, the thread
 giving way to a load being prepared: the load's first copy at 7.2-7.8 ms,
 not 11-12 (``probe_host_timeline_h200_run23.json``). Run 27
-(``probe_host_timeline_h200.json``): the first copy of an MLA backup, page_first or
+(``probe_host_timeline_h200_run27.json``): the first copy of an MLA backup, page_first or
 layer_first, starts 1.07-1.13 ms after the call (2.8 ms in run 24), and the transfers run at
 52.9-53.2 GB/s (0.96x).
+Run 59 (``probe_host_timeline_h200.json``; the caller now also queues the backup's first
+96 MiB): MLA page_first p1 backup, the first gather at 1.43 ms and the first copy at 1.78 ms
+after the call (1.32-1.43 ms to the first device work over three calls), 43.9 ms in all.
+On the way: index check 0.09 ms; the engine 0.18 ms; ``prepare`` to its host order 0.23 ms
+(``check_mapped`` and ``Runs.of``, 0.04 ms alone on a CI machine); the planning bound 0.11 ms;
+**the device slots to the device 0.46 ms** (``fetch_index`` alone: 0.08 ms); then 0.35 ms
+between launching the first gather and queueing its copy (the host is behind: the copy starts
+as soon as it is queued). The load: its first copy at 1.59 ms. Each step of those is now
+timed alone as well ("host costs"), to find where the 0.4 ms of the index copy goes.
 Usage: python bench/probes/host_timeline.py OUT.json [--tokens N]
 """
 
@@ -172,8 +181,11 @@ def run_case(name, case, h1, d1, h2, d2, what, background=True):
 def host_costs(case, h1, d1):
     """Host milliseconds of the steps before a backup's first copy, each timed alone (median
     of 20): run 21 saw 0.6 ms for the planning bound that takes 0.07 ms on a CI machine."""
-    from kvtier.transfer.dma_plan import RAMP_MIN_BYTES, ChunkedPlan, mean_copy_bound
+    from kvtier.transfer import streams
+    from kvtier.transfer.dma_plan import RAMP_MIN_BYTES, ChunkedPlan, Runs, mean_copy_bound
+    from kvtier.transfer.kernel import check_mapped
     from kvtier.transfer.triton_kernels import fetch_index
+    side = streams.fresh(torch.device("cuda"), 0)
     part, hn = case.host.transfer_parts()[0], h1.numpy()
     staging = dma_mod.DMAConfig().staging_bytes
 
@@ -193,6 +205,14 @@ def host_costs(case, h1, d1):
         "pin_memory": ms(lambda: d1.pin_memory()),
         "fetch_index": ms(lambda: fetch_index(d1, torch.device("cuda"))),
         "event_record": ms(lambda: torch.cuda.Event().record()),
+        # Since run 59 (the timeline: 0.23 ms from ``prepare`` to its host order, 0.46 ms for the
+        # index to the device, 0.18 ms in the engine before ``prepare``): the steps in there.
+        "check_mapped (is_pinned)": ms(lambda: check_mapped(part)),
+        "runs_of": ms(lambda: Runs.of(hn)),
+        "on_device": ms(lambda: dma_mod.on_device(d1, torch.device("cuda"))),
+        "index_check": ms(lambda: case.host._check_indices(h1, d1, case.host.device_pool, want_numpy=True)),
+        "streams_apart": ms(lambda: streams.apart(side, torch.device("cuda"), 0, torch.cuda.current_stream())),
+        "wait_stream": ms(lambda: side.wait_stream(torch.cuda.current_stream())),
     }
 
 
