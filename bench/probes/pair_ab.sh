@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# A/B of whole code versions on the transfer bench, each version timed in turn in fresh
+# processes, so a machine's drift between device calls (the duplex limit ranged 82-102 GB/s
+# between calls of one session, runs 55-60) is not read as a code effect.
+#
+#   bash bench/probes/pair_ab.sh prepare REV...   # here: each REV's kvtier into _ab/REV
+#   bash bench/probes/pair_ab.sh run [ROUNDS]     # on the device (run with carry=["_ab"])
+#
+# `run` times, for every _ab/REV in turn and ROUNDS times over (default 2), TOKENS (32768), the bench rows
+# picked by AB_ARGS (default: MHA page_first page 1 on allocator slots, dma) and prints one
+# line per row and version. Each process starts inside its own tree: `python -m` puts the
+# working directory first on sys.path, so PYTHONPATH alone would import the same kvtier for
+# every version (which voided run 56's A/B).
+set -euo pipefail
+cmd=${1:-}; shift || true
+case "$cmd" in
+prepare)
+  rm -rf _ab; mkdir -p _ab
+  for rev in "$@"; do
+    mkdir -p "_ab/$rev" && git archive "$rev" kvtier | tar -x -C "_ab/$rev"
+    echo "_ab/$rev: $(git log -1 --format='%h %s' "$rev" | cut -c1-100)"
+  done ;;
+run)
+  rounds=${1:-2}
+  args=${AB_ARGS:---kind mha --layout page_first --slots allocator --page-size 1 --backend dma}
+  export KVTIER_HOST_RESERVE_GB=4 PYTHONUNBUFFERED=1
+  for r in $(seq "$rounds"); do
+    for tree in _ab/*/; do
+      rev=$(basename "$tree")
+      (cd "$tree" && PYTHONPATH=. python -c "import kvtier, os; assert os.path.dirname(kvtier.__file__).startswith(os.getcwd())" \
+        && PYTHONPATH=. timeout 120 python -m kvtier.cli bench transfer --tokens ${TOKENS:-32768} --reps 3 --rounds 2 $args --verbose \
+          2>&1 >/dev/null | tr '\r' '\n' | grep -oE '\[ *[0-9.]+s\] .*' | sed "s|^|round $r $rev |") || echo "round $r $rev failed"
+    done
+  done ;;
+*)
+  echo "usage: $0 prepare REV... | run [ROUNDS]" >&2; exit 2 ;;
+esac
