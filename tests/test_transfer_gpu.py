@@ -622,7 +622,7 @@ def test_backups_complete_when_the_background_thread_gets_no_turn():
         ref = host_pool_for(dev, "page_first", host_size_tokens=host.size)
         for c in host.component_tensors:
             ref.raw_bytes(c).copy_(host.raw_bytes(c))
-        backlog = eng._backlog_()
+        backlog = eng._started_backlog()
         held = eng._issuer.submit(gate.wait, 60)  # the thread's next turn comes after this
         rng = np.random.default_rng(5)
         h = torch.arange(tokens)

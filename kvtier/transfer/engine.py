@@ -301,7 +301,7 @@ class TransferEngine:
                     if head is not None and (self._last_queued is None or self._last_queued.done()):
                         queued = _queue_head(stream, head, event)
                     if queued is None:
-                        queued = self._last_queued = self._backlog_().add(
+                        queued = self._last_queued = self._started_backlog().add(
                             lambda: _queue_backup(stream, run, event))
                 else:
                     _queue_backup(stream, run, event)
@@ -365,7 +365,8 @@ class TransferEngine:
         with chunk_hook(between):
             pump()
 
-    def _backlog_(self) -> Backlog:
+    def _started_backlog(self) -> Backlog:
+        """The backlog of backups still to be queued, and its thread, made on first use."""
         if self._issuer is None:
             index = torch.cuda.current_device() if self.device.index is None else self.device.index
             self._issuer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-backup",
