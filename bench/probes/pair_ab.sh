@@ -8,7 +8,8 @@
 #
 # `run` times, for every _ab/REV in turn and ROUNDS times over (default 2), TOKENS (32768), the bench rows
 # picked by AB_ARGS (default: MHA page_first page 1 on allocator slots, dma) and prints one
-# line per row and version. Each process starts inside its own tree: `python -m` puts the
+# line per row and version (pairs with their timeline: when backup() and load() returned,
+# when the backup was queued, when each ended). Each process starts inside its own tree: `python -m` puts the
 # working directory first on sys.path, so PYTHONPATH alone would import the same kvtier for
 # every version (which voided run 56's A/B).
 set -euo pipefail
@@ -18,6 +19,9 @@ prepare)
   rm -rf _ab; mkdir -p _ab
   for rev in "$@"; do
     mkdir -p "_ab/$rev" && git archive "$rev" kvtier | tar -x -C "_ab/$rev"
+    # The same harness for every version (it logs each pair's timeline, pair_ms=[...]):
+    # only the engine under it differs.
+    cp kvtier/bench/transfer.py "_ab/$rev/kvtier/bench/transfer.py"
     echo "_ab/$rev: $(git log -1 --format='%h %s' "$rev" | cut -c1-100)"
   done ;;
 run)

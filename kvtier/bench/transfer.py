@@ -168,7 +168,10 @@ def asdict_spec(spec) -> dict:
     return {f: getattr(spec, f) for f in spec.__dataclass_fields__}
 
 
-def measure(case: Case, engine: TransferEngine, direction: str, idx, clock: Clock, reps: int) -> float:
+def measure(case: Case, engine: TransferEngine, direction: str, idx, clock: Clock, reps: int,
+            pair_log: list | None = None) -> float:
+    """GB/s of ``direction`` (``both``: the two transfers' bytes over the pair's time).
+    ``pair_log`` (CUDA, ``both``): gets one :func:`pair_times` dict per timed pair."""
     h1, d1, h2, d2 = idx
     cuda = clock.cuda
 
@@ -181,6 +184,9 @@ def measure(case: Case, engine: TransferEngine, direction: str, idx, clock: Cloc
         ld.wait_layer(ld.layer_num - 1) if cuda else None
 
     def both():
+        if cuda and pair_log is not None:
+            pair_log.append(pair_times(engine, h1, d1, h2, d2))
+            return
         hd = engine.backup(h1, d1)
         ld = engine.load(h2, d2)
         if cuda:
@@ -256,8 +262,9 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                         bar.set_postfix_str(f"{kind} {layout} p{ps} {direction} {backend}")
                         before = Counter(getattr(engine.backend, "picks", {}))
                         seen = sample_counts(engine.backend)
+                        pair_log = [] if (cuda and direction == "both" and rnd == rounds - 1) else None
                         got.setdefault((backend, direction), []).append(measure(case, engine, direction, idx,
-                                                                                clock, reps))
+                                                                                clock, reps, pair_log))
                         picks[(backend, direction)] = (picks.get((backend, direction), Counter())
                                                        + (Counter(getattr(engine.backend, "picks", {})) - before))
                         bar.update()
@@ -265,17 +272,19 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                             last[(backend, direction)] = (
                                 getattr(engine.backend, "last_blocks", 0),
                                 load_groups(engine.backend) if direction == "load" else None,
-                                sample_note(engine.backend, seen))
+                                sample_note(engine.backend, seen), pair_note(pair_log or []))
             # Rows in the backends' given order, whatever order the last round ran in.
             for backend in engines:
                 for direction in DIRECTIONS:
                     g = got[(backend, direction)]
-                    sms, groups, samples = last[(backend, direction)]
+                    sms, groups, samples, pair = last[(backend, direction)]
                     gbps, lim = float(np.median(g)), limits[direction]
                     rows.append(Row(kind, layout, ps, direction, backend, "scattered" if scattered else "allocator",
                                     round(gbps, 2), round(lim, 2), round(gbps / lim, 3), sms))
                     if on_row:
                         extra = {"rounds": [round(x, 2) for x in g]} if rounds > 1 else {}
+                        if pair:
+                            extra["pair"] = pair
                         on_row(rows, groups, picks[(backend, direction)], samples=samples, **extra)
         case.host.close()
         del case
@@ -290,6 +299,40 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
         if on_row:
             on_row(rows, None, None, final=True)
     return rows
+
+
+def pair_times(engine: TransferEngine, h1, d1, h2, d2) -> dict:
+    """A backup and a load at once, queued as the bench's ``both`` queues them, with the
+    host's milliseconds after the backup call when ``backup()`` and ``load()`` returned and
+    when the backup was wholly queued, and timing events recorded on the engine's streams once
+    each transfer is queued, so they fire at its end (read by :func:`pair_note` once the
+    device is done). What a pair's GB/s cannot say: whether the two ran side by side."""
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    hd = engine.backup(h1, d1)
+    t1 = time.perf_counter()
+    ld = engine.load(h2, d2)
+    t2 = time.perf_counter()
+    hd.wait()
+    t3 = time.perf_counter()
+    ld.wait_layer(ld.layer_num - 1)
+    ends = {}
+    for name, stream in (("backup_done", engine.backup_stream), ("load_done", engine.load_stream)):
+        ends[name] = torch.cuda.Event(enable_timing=True)
+        ends[name].record(stream)
+    ms = lambda t: round(1e3 * (t - t0), 3)  # noqa: E731
+    return {"backup_returned": ms(t1), "load_returned": ms(t2), "backup_queued": ms(t3), "_start": start, **ends}
+
+
+def pair_note(log: list[dict]) -> str:
+    """Medians over the pairs of :func:`pair_times` (their events must have fired): host
+    milliseconds, then each transfer's end on the device, after the backup call."""
+    if not log:
+        return ""
+    rows = [{k: (round(x["_start"].elapsed_time(v), 3) if k.endswith("_done") else v)
+             for k, v in x.items() if k != "_start"} for x in log]
+    return " ".join(f"{k} {float(np.median([r[k] for r in rows])):.2f}" for k in rows[0])
 
 
 def round_order(backends: list[str], rnd: int) -> list[str]:
@@ -390,7 +433,7 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
         tokens, reps = 256, 1
     start = time.perf_counter()
 
-    def save(rows, groups=None, picks=None, final=False, samples="", rounds=None):
+    def save(rows, groups=None, picks=None, final=False, samples="", rounds=None, pair=""):
         if verbose and final:
             lim = {r.direction: r.gbps for r in rows if r.kind == "all"}
             click.echo(f"limits, best of the start and the end of the run: {lim}", err=True)
@@ -403,6 +446,8 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
                 extra += f" samples=[{samples}]"
             if rounds:
                 extra += f" rounds={rounds}"
+            if pair:
+                extra += f" pair_ms=[{pair}]"
             click.echo(f"[{time.perf_counter() - start:6.1f}s] {r.kind} {r.layout} p{r.page_size} {r.direction} "
                        f"{r.host_slots} {r.backend}: {r.gbps} GB/s ({r.ratio}x) sms={r.sms}{extra}", err=True)
         if json_path:
