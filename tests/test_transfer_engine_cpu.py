@@ -239,15 +239,22 @@ def test_bench_cases_draw_the_same_slots_whichever_others_run(monkeypatch):
 
 
 def test_bench_pair_note_gives_medians_of_host_times_and_device_ends():
-    """``pair_note`` reads each pair's end events against its start (here a stand-in whose
-    elapsed time to an event is the event) and reports the median of every field, in order."""
+    """``pair_note`` reads each pair's end events against its start once they have fired (here
+    stand-ins for CUDA events) and reports the median of every field, in order."""
     from kvtier.bench.transfer import pair_note
 
-    class Start:
+    class Event:
+        def __init__(self, ms):
+            self.ms, self.synced = ms, False
+
+        def synchronize(self):
+            self.synced = True
+
         def elapsed_time(self, end):
-            return end
-    log = [{"backup_returned": r, "load_returned": r + 5, "backup_queued": r + 6, "_start": Start(),
-            "backup_done": 90.0 + r, "load_done": 95.0 + r} for r in (2.0, 3.0, 10.0)]
+            assert self.synced and end.synced  # read only once fired
+            return end.ms - self.ms
+    log = [{"backup_returned": r, "load_returned": r + 5, "backup_queued": r + 6, "_start": Event(1.0),
+            "backup_done": Event(91.0 + r), "load_done": Event(96.0 + r)} for r in (2.0, 3.0, 10.0)]
     assert pair_note(log) == ("backup_returned 3.00 load_returned 8.00 backup_queued 9.00 "
                               "backup_done 93.00 load_done 98.00")
     assert pair_note([]) == ""

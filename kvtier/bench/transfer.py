@@ -330,9 +330,16 @@ def pair_note(log: list[dict]) -> str:
     milliseconds, then each transfer's end on the device, after the backup call."""
     if not log:
         return ""
-    rows = [{k: (round(x["_start"].elapsed_time(v), 3) if k.endswith("_done") else v)
+    # The bench waited for both transfers, but an end event recorded after one may still be
+    # a few microseconds from firing.
+    rows = [{k: (round(_synced(x["_start"]).elapsed_time(_synced(v)), 3) if k.endswith("_done") else v)
              for k, v in x.items() if k != "_start"} for x in log]
     return " ".join(f"{k} {float(np.median([r[k] for r in rows])):.2f}" for k in rows[0])
+
+
+def _synced(event):
+    event.synchronize()
+    return event
 
 
 def round_order(backends: list[str], rnd: int) -> list[str]:
