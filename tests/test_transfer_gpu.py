@@ -697,3 +697,22 @@ def test_an_error_in_the_background_thread_reaches_its_handle_and_the_head_chunk
             assert torch.equal(got[at:at + pl.item_bytes], want[at:at + pl.item_bytes]), (layer, slot)
     ref.close()
     host.close()
+
+
+def test_bench_pairs_log_a_timeline_in_order():
+    """The transfer bench's pair rows carry their timeline (``pair_ms``): every field there,
+    the calls returning in order, and each transfer ending after its call returned."""
+    from kvtier.bench.transfer import run_bench
+    notes = []
+
+    def on_row(rows, groups, picks, final=False, samples="", **extra):
+        if not final and rows[-1].direction == "both":
+            notes.append(extra.get("pair", ""))
+    run_bench(512, 1, ("dma",), ("mha",), (16,), 4, progress=False, on_row=on_row,
+              layouts={"page_first"}, slots=("allocator",))
+    assert len(notes) == 1
+    f = notes[0].split()
+    t = dict(zip(f[::2], map(float, f[1::2])))
+    assert list(t) == ["backup_returned", "load_returned", "backup_queued", "backup_done", "load_done"]
+    assert 0 < t["backup_returned"] <= t["load_returned"] <= t["backup_queued"]
+    assert t["backup_done"] > 0 and t["load_done"] > t["backup_returned"]
