@@ -210,10 +210,10 @@ class TransferEngine:
     inline, a load issued right after it started only once that was done.
     That thread needs the GIL between its calls into CUDA; a caller's thread busy in
     Python lends it only every ``sys.getswitchinterval()``, so whatever is still pending
-    is queued by the caller's thread as soon as it asks about a backup (``done``,
-    ``wait``, ``synchronize``, or a transfer ordered after it): poll ``done()`` from a
-    busy loop (:mod:`.backlog`). ``False`` queues everything in the caller's thread
-    before returning.
+    is queued by the caller's thread when it waits for a backup (``wait``,
+    ``synchronize``, a transfer ordered after it) or asks ``done()`` while that thread
+    has queued nothing for 1 ms: poll ``done()`` from a busy loop (:mod:`.backlog`).
+    ``False`` queues everything in the caller's thread before returning.
     """
 
     def __init__(self, host_pool, io_backend: str | Backend | None = None, *, block_quota: int | None = None,
