@@ -258,3 +258,30 @@ def test_bench_pair_note_gives_medians_of_host_times_and_device_ends():
     assert pair_note(log) == ("backup_returned 3.00 load_returned 8.00 backup_queued 9.00 "
                               "backup_done 93.00 load_done 98.00")
     assert pair_note([]) == ""
+
+
+def test_backends_do_not_keep_a_dropped_pools_memory():
+    """The shared backends keep a pointer table per transfer part; they held the parts, and with
+    them every pool a process had moved (host and device memory), for good. Now a dropped
+    pool's memory goes, and its tables with it."""
+    import gc
+    import weakref
+
+    from kvtier.transfer.kernel import PartTables
+    tables = PartTables()
+    spec = KVSpec("mha", 2, torch.bfloat16, head_num=2, head_dim=8)
+    dev = pool_from_spec(spec, 64, 1, "cpu")
+    host = host_pool_for(dev, "layer_first", host_size_tokens=64)
+    kept = host_pool_for(pool_from_spec(spec, 64, 1, "cpu"), "layer_first", host_size_tokens=64)
+    memory = [weakref.ref(t) for t in host.component_tensors.values()]
+    memory += [weakref.ref(t) for t in dev.stacks.values()]
+    for p in host.transfer_parts() + kept.transfer_parts():
+        before = tables.gcd(p, torch.device("cpu"))
+        assert tables.gcd(p, torch.device("cpu")) == before  # built once, found again
+    assert len(tables._tables) == 4
+    del dev, host, p
+    gc.collect()
+    assert all(r() is None for r in memory)
+    assert len(tables._tables) == 2  # the live pool's parts keep theirs
+    assert all(hit[0]() in kept.transfer_parts() for hit in tables._tables.values())
+

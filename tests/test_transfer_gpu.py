@@ -716,3 +716,33 @@ def test_bench_pairs_log_a_timeline_in_order():
     assert list(t) == ["backup_returned", "load_returned", "backup_queued", "backup_done", "load_done"]
     assert 0 < t["backup_returned"] <= t["load_returned"] <= t["backup_queued"]
     assert t["backup_done"] > 0 and t["load_done"] > t["backup_returned"]
+
+
+@pytest.mark.parametrize("backend", ["kernel", "dma", "auto"])
+def test_a_dropped_pool_gives_back_its_device_memory(backend):
+    """The shared backends keep per-part pointer tables; they used to hold the parts, so every
+    pool a process had moved stayed allocated. Dropped after transfers both ways, a pool's
+    device memory goes (staging buffers, made once per backend, are warmed up first)."""
+    spec = KVSpec("mha", 8, torch.bfloat16, head_num=8, head_dim=128)  # 32 KiB per token
+
+    def use(tokens):
+        dev, host = _pools(spec, 16, "page_first", tokens=tokens)
+        eng = TransferEngine(host, backend)
+        idx = torch.arange(tokens // 2)
+        eng.backup(idx, idx).synchronize()
+        eng.load(idx, idx).synchronize()
+        return dev, host
+    dev, host = use(1024)  # staging and the like, kept by the backend for good
+    host.close()
+    del dev, host
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    dev, host = use(16384)
+    pool = sum(st.numel() * st.element_size() for st in dev.stacks.values())  # 1 GiB
+    assert torch.cuda.memory_allocated() >= base + pool
+    host.close()
+    del dev, host
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() < base + pool // 8

@@ -8,6 +8,8 @@ no staging and no copy engine. The cost is SMs: a transfer occupies at most
 
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -32,17 +34,21 @@ class KernelConfig:
 
 
 class PartTables:
-    """Per-part device pointer tables and the gcd of those pointers, built once and kept with the
-    part alive."""
+    """Per-part device pointer tables and the gcd of those pointers, built once per part and
+    dropped with it. Parts are held weakly: the backends that keep these tables live as long
+    as the process, and a part holds its pools' memory (it held every pool a process ever
+    moved, host and device memory both, until the part was held weakly here)."""
 
     def __init__(self):
-        self._tables: dict[int, tuple[TransferPart, torch.Tensor, int]] = {}
+        self._tables: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}
 
     def _hit(self, part: TransferPart, device: torch.device):
-        hit = self._tables.get(id(part))
-        if hit is None or hit[0] is not part:
-            hit = (part, layer_ptr_table(part.device_layers, device), layers_gcd(part.device_layers))
-            self._tables[id(part)] = hit
+        key = id(part)
+        hit = self._tables.get(key)
+        if hit is None or hit[0]() is not part:
+            hit = (weakref.ref(part, functools.partial(_forget, self._tables, key)),
+                   layer_ptr_table(part.device_layers, device), layers_gcd(part.device_layers))
+            self._tables[key] = hit
         return hit
 
     def get(self, part: TransferPart, device: torch.device) -> torch.Tensor:
@@ -55,6 +61,13 @@ class PartTables:
     def words(self, part: TransferPart, pl: Placement, buf: torch.Tensor) -> WordPlan:
         """The word plan for a copy between ``part``'s device layers and ``buf`` placed by ``pl``."""
         return WordPlan.for_copy(pl, buf, part.device_layers, self.gcd(part, part.device_layers[0].device))
+
+
+def _forget(tables: dict, key: int, ref: weakref.ref) -> None:
+    """A part's table goes with the part (only its own entry: the id may be taken again)."""
+    hit = tables.get(key)
+    if hit is not None and hit[0] is ref:
+        tables.pop(key, None)
 
 
 def on_device(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
