@@ -153,12 +153,15 @@ class HostKVCache:
         return self._make_parts(self.device_pool)
 
     def _make_parts(self, pool) -> list[TransferPart]:
+        # Each component's buffer says whether it is still registered (close() unregisters).
+        bufs = self._buffers * len(self.spec.components) if len(self._buffers) == 1 else self._buffers
         return [
             TransferPart(
                 c.name, self.raw_bytes(c.name), self.placements[c.name],
                 tuple(as_rows(t) for t in getattr(pool, layer_attr(c.name))),
+                mapped=lambda b=b: b.pinned,
             )
-            for c in self.spec.components
+            for c, b in zip(self.spec.components, bufs)
         ]
 
     def layer_ptrs(self, component: str) -> list[int]:

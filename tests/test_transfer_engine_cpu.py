@@ -285,3 +285,18 @@ def test_backends_do_not_keep_a_dropped_pools_memory():
     assert len(tables._tables) == 2  # the live pool's parts keep theirs
     assert all(hit[0]() in kept.transfer_parts() for hit in tables._tables.values())
 
+
+def test_check_mapped_goes_by_the_parts_own_record():
+    """``check_mapped`` asks the part's owner (the host pool's buffer) whether its bytes are
+    registered, rather than the CUDA runtime each transfer; a CPU pool's parts say no."""
+    from dataclasses import replace
+
+    from kvtier.transfer.kernel import check_mapped
+    spec = KVSpec("mha", 2, torch.bfloat16, head_num=2, head_dim=8)
+    host = host_pool_for(pool_from_spec(spec, 64, 1, "cpu"), "layer_first", host_size_tokens=64)
+    part = host.transfer_parts()[0]
+    with pytest.raises(ValueError, match="registered with CUDA"):
+        check_mapped(part)
+    check_mapped(replace(part, mapped=lambda: True))  # what a registered buffer reports
+    with pytest.raises(ValueError, match="registered with CUDA"):
+        check_mapped(replace(part, mapped=None))      # no record: the runtime says no on CPU

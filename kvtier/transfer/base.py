@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -27,6 +27,9 @@ class TransferPart:
     host_raw: torch.Tensor            # 1-D uint8, every byte of this component on the host
     host: Placement
     device_layers: tuple[torch.Tensor, ...]  # per layer, (device_size, item_bytes) uint8
+    # Whether ``host_raw`` is still registered with CUDA, from its owner's own record (the host
+    # pool's buffer): cheaper than asking the CUDA runtime every transfer. None: ask it.
+    mapped: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
     @property
     def item_bytes(self) -> int:

@@ -90,7 +90,11 @@ def host_numpy(idx: torch.Tensor):
 
 
 def check_mapped(part: TransferPart) -> None:
-    if part.host_raw.device.type != "cpu" or not part.host_raw.is_pinned():
+    """Raise unless ``part``'s host bytes are registered with CUDA (a zero-copy kernel or a
+    copy into them would otherwise fault). By the part's own record where it has one
+    (``TransferPart.mapped``), else by asking the runtime (``is_pinned``)."""
+    if part.host_raw.device.type != "cpu" or not (part.mapped() if part.mapped is not None
+                                                  else part.host_raw.is_pinned()):
         raise ValueError(
             f"component {part.name!r}: zero-copy kernels need host memory registered with CUDA "
             "(build the host pool on a machine with CUDA, pin_memory=None or True); "
