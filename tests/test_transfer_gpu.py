@@ -722,27 +722,19 @@ def test_bench_pairs_log_a_timeline_in_order():
 def test_a_dropped_pool_gives_back_its_device_memory(backend):
     """The shared backends keep per-part pointer tables; they used to hold the parts, so every
     pool a process had moved stayed allocated. Dropped after transfers both ways, a pool's
-    device memory goes (staging buffers, made once per backend, are warmed up first)."""
+    device memory goes. (Measured from just before the drop: staging buffers a backend makes
+    on first use stay with it, as they should.)"""
     spec = KVSpec("mha", 8, torch.bfloat16, head_num=8, head_dim=128)  # 32 KiB per token
-
-    def use(tokens):
-        dev, host = _pools(spec, 16, "page_first", tokens=tokens)
-        eng = TransferEngine(host, backend)
-        idx = torch.arange(tokens // 2)
-        eng.backup(idx, idx).synchronize()
-        eng.load(idx, idx).synchronize()
-        return dev, host
-    dev, host = use(1024)  # staging and the like, kept by the backend for good
-    host.close()
-    del dev, host
-    gc.collect()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    dev, host = use(16384)
+    dev, host = _pools(spec, 16, "page_first", tokens=16384)
     pool = sum(st.numel() * st.element_size() for st in dev.stacks.values())  # 1 GiB
-    assert torch.cuda.memory_allocated() >= base + pool
+    eng = TransferEngine(host, backend)
+    idx = torch.arange(8192)
+    eng.backup(idx, idx).synchronize()
+    eng.load(idx, idx).synchronize()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
     host.close()
-    del dev, host
+    del dev, host, eng
     gc.collect()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() < base + pool // 8
+    assert torch.cuda.memory_allocated() <= held - pool * 9 // 10
