@@ -171,7 +171,7 @@ def asdict_spec(spec) -> dict:
 def measure(case: Case, engine: TransferEngine, direction: str, idx, clock: Clock, reps: int,
             pair_log: list | None = None) -> float:
     """GB/s of ``direction`` (``both``: the two transfers' bytes over the pair's time).
-    ``pair_log`` (CUDA, ``both``): gets one :func:`pair_times` dict per timed pair."""
+    ``pair_log`` (CUDA, ``both``): gets each pair's timeline (:func:`pair`)."""
     h1, d1, h2, d2 = idx
     cuda = clock.cuda
 
@@ -184,14 +184,7 @@ def measure(case: Case, engine: TransferEngine, direction: str, idx, clock: Cloc
         ld.wait_layer(ld.layer_num - 1) if cuda else None
 
     def both():
-        if cuda and pair_log is not None:
-            pair_log.append(pair_times(engine, h1, d1, h2, d2))
-            return
-        hd = engine.backup(h1, d1)
-        ld = engine.load(h2, d2)
-        if cuda:
-            hd.wait()
-            ld.wait_layer(ld.layer_num - 1)
+        pair(engine, h1, d1, h2, d2, cuda, pair_log)
     fn = {"backup": backup, "load": load, "both": both}[direction]
     # auto is timed once its choice for the shape is made: the exploring transfers
     # are a one-off cost per shape, not its steady speed.
@@ -301,32 +294,38 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
     return rows
 
 
-def pair_times(engine: TransferEngine, h1, d1, h2, d2) -> dict:
-    """A backup and a load at once, queued as the bench's ``both`` queues them, with the
-    host's milliseconds after the backup call when ``backup()`` and ``load()`` returned and
-    when the backup was wholly queued, and timing events recorded on the engine's streams once
-    each transfer is queued, so they fire at its end (read by :func:`pair_note` once the
-    device is done). What a pair's GB/s cannot say: whether the two ran side by side."""
-    start = torch.cuda.Event(enable_timing=True)
-    start.record()
+def pair(engine: TransferEngine, h1, d1, h2, d2, cuda: bool, log: list | None = None) -> None:
+    """A backup and a load at once, as the bench's ``both`` times them. ``log`` (CUDA): gets
+    the pair's timeline, for :func:`pair_note`: the host's milliseconds after the backup call
+    when ``backup()`` and ``load()`` returned and when the backup was wholly queued, and timing
+    events recorded on the engine's streams once each transfer is queued, so they fire at its
+    end. What a pair's GB/s cannot say: whether the two ran side by side."""
+    timed = cuda and log is not None
+    if timed:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
     t0 = time.perf_counter()
     hd = engine.backup(h1, d1)
     t1 = time.perf_counter()
     ld = engine.load(h2, d2)
     t2 = time.perf_counter()
+    if not cuda:
+        return
     hd.wait()
     t3 = time.perf_counter()
     ld.wait_layer(ld.layer_num - 1)
-    ends = {}
-    for name, stream in (("backup_done", engine.backup_stream), ("load_done", engine.load_stream)):
-        ends[name] = torch.cuda.Event(enable_timing=True)
-        ends[name].record(stream)
-    ms = lambda t: round(1e3 * (t - t0), 3)  # noqa: E731
-    return {"backup_returned": ms(t1), "load_returned": ms(t2), "backup_queued": ms(t3), "_start": start, **ends}
+    if timed:
+        ends = {}
+        for name, stream in (("backup_done", engine.backup_stream), ("load_done", engine.load_stream)):
+            ends[name] = torch.cuda.Event(enable_timing=True)
+            ends[name].record(stream)
+        ms = lambda t: round(1e3 * (t - t0), 3)  # noqa: E731
+        log.append({"backup_returned": ms(t1), "load_returned": ms(t2), "backup_queued": ms(t3),
+                    "_start": start, **ends})
 
 
 def pair_note(log: list[dict]) -> str:
-    """Medians over the pairs of :func:`pair_times` (their events must have fired): host
+    """Medians over the pairs of :func:`pair` (their events must have fired): host
     milliseconds, then each transfer's end on the device, after the backup call."""
     if not log:
         return ""
