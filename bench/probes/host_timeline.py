@@ -31,7 +31,7 @@ not 11-12 (``probe_host_timeline_h200_run23.json``). Run 27
 (``probe_host_timeline_h200_run27.json``): the first copy of an MLA backup, page_first or
 layer_first, starts 1.07-1.13 ms after the call (2.8 ms in run 24), and the transfers run at
 52.9-53.2 GB/s (0.96x).
-Run 59 (``probe_host_timeline_h200.json``; the caller now also queues the backup's first
+Run 59 (``probe_host_timeline_h200_run59.json``; the caller now also queues the backup's first
 96 MiB): MLA page_first p1 backup, the first gather at 1.43 ms and the first copy at 1.78 ms
 after the call (1.32-1.43 ms to the first device work over three calls), 43.9 ms in all.
 On the way: index check 0.09 ms; the engine 0.18 ms; ``prepare`` to its host order 0.23 ms
@@ -40,6 +40,11 @@ On the way: index check 0.09 ms; the engine 0.18 ms; ``prepare`` to its host ord
 between launching the first gather and queueing its copy (the host is behind: the copy starts
 as soon as it is queued). The load: its first copy at 1.59 ms. Each step of those is now
 timed alone as well ("host costs"), to find where the 0.4 ms of the index copy goes.
+Run 61 (``probe_host_timeline_h200.json``): the same picture (first device work at
+1.48-1.59 ms over three calls, the index copy 0.58 ms in the call), while each step alone,
+back to back, takes a fraction: ``is_pinned`` 0.0008 ms and ``check_mapped`` 0.0006 ms (so the
+switch to the pool's own record saved nothing measurable), ``Runs.of`` 0.025, the index copy
+0.07, the index check 0.005. ``cold_host`` and ``host_steps`` (runs 63-64) take it from there.
 Usage: python bench/probes/host_timeline.py OUT.json [--tokens N]
 """
 
