@@ -12,6 +12,10 @@
 # when the backup was queued, when each ended). Each process starts inside its own tree: `python -m` puts the
 # working directory first on sys.path, so PYTHONPATH alone would import the same kvtier for
 # every version (which voided run 56's A/B).
+# Run 62 (bench/results/probe_pair_ab_h200_run62.log; 925dba1 before head-join, 9b8b45a head-join,
+# b1973de with the backlog and the leak fix; three rounds): MHA page_first p1 allocator dma pairs
+# 1.631-1.644x, 1.569-1.654x and 1.626-1.668x, no version lowest in every round: run 60's lower
+# pairs were not the code.
 set -euo pipefail
 cmd=${1:-}; shift || true
 case "$cmd" in
