@@ -22,7 +22,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvtier.transfer.dma_plan import (RAMP_DIV, ChunkedPlan, LayerChunkedPlan, Runs, chunk_bounds, choose_group,
                                       group_sizes, grouped_plan, HostOrder, layer_bounds, layer_major,
-                                      mean_copy_bound, narrow_layer_rows, plan, split_copies)
+                                      mean_copy_bound, narrow_layer_rows, plan, run_starts, split_copies)
 
 PROBE = json.loads((Path(__file__).parent.parent / "bench/results/probe_host_issue_h200.json").read_text())
 MHA = KVSpec("mha", 32, torch.bfloat16, head_num=8, head_dim=128)    # llama-3-8b: 2 KiB K or V rows
@@ -239,6 +239,25 @@ def test_runs_count_every_run_length(runs, gap, seed):
     assert dict(zip(got.lengths, got.counts)) == want and got.n == sum(runs)
     assert got.single == (len(runs) == 1)
     assert got.mean_class == (int(np.log2(max(sum(runs) / len(runs), 1))) if runs else 0)
+
+
+@given(n=st.integers(1, 300), first=st.integers(0, 1 << 40), seed=st.integers(0, 2**16), swaps=st.integers(0, 3))
+def test_runs_of_one_run_agrees_with_the_run_starts(n, first, seed, swaps):
+    """Runs.of's one-run shortcut (span n - 1, strictly increasing) gives what the run starts
+    give, also for arrays that only look like one run: the same span with slots swapped or
+    repeated."""
+    host = np.arange(first, first + n, dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    for _ in range(swaps if n > 2 else 0):
+        i, j = rng.integers(1, n - 1, size=2)
+        host[i], host[j] = host[j], host[i]
+    if swaps == 3 and n > 2:
+        host[1] = host[0]  # a repeat inside the span: not one run
+    starts = run_starts(host)
+    lengths, counts = np.unique(np.diff(np.append(starts, n)), return_counts=True)
+    got = Runs.of(host)
+    assert (got.lengths, got.counts) == (tuple(lengths.tolist()), tuple(counts.tolist()))
+    assert got.single == (starts.size == 1)
 
 
 def test_chunked_plan_keeps_its_own_copy_of_the_slots():
