@@ -64,6 +64,20 @@ def test_group_search_stops_early_and_skips_layouts_with_long_rows():
     assert choose_group(lf, lambda g: pytest.fail("no trial for layer_first"), 0.97) == 1
 
 
+@given(slow=st.floats(1.0, 40.0), others=st.lists(st.floats(45.0, 55.0), min_size=6, max_size=6),
+       small=st.floats(5.0, 30.0))
+def test_a_disturbed_first_trial_does_not_set_the_bar(slow, others, small):
+    """The all-layers trial slowed by other traffic (a pair's backup on the link): groups are
+    held to the fastest trial so far, so the search stops where a group falls well short of
+    it instead of clearing a low bar down to one layer per copy."""
+    pl = LAYOUTS["page_first"].placement(MLA.components[0], 61, 8192, 1)
+    rates = {61: slow, 32: others[0], 16: small, 8: others[1], 4: others[2], 2: others[3], 1: others[4]}
+    assert choose_group(pl, rates.__getitem__, 0.97) == 32
+    # Each rate as it came: a faster smaller group raises the bar for the next.
+    seq = {61: 50.0, 32: 53.0, 16: 50.0}  # 16 is within 0.97 of 50 but not of 53
+    assert choose_group(pl, lambda g: seq.get(g, 0.0), 0.97) == 32
+
+
 def test_group_sizes():
     assert group_sizes(32) == [1, 2, 4, 8, 16, 32] and group_sizes(61)[-2:] == [32, 61] and group_sizes(1) == [1]
 

@@ -62,7 +62,8 @@ class DMAConfig:
     (``bench/results/probe_host_issue_h200.json``); the kernels run in bursts
     between copies. ``load_group``: adjacent layers a load from a page-major
     layout copies at once; 0 measures the fewest whose load runs at
-    ``group_target`` of all layers at once, 1 keeps loads strictly layer by
+    ``group_target`` of the fastest trial (all layers at once, or a larger
+    group that beat it), 1 keeps loads strictly layer by
     layer (finest overlap with the forward pass). ``batch_min``: a chunk with
     at least this many 1-D copies queues them in one batched call.
     ``kernel_below``: a part whose copies would average fewer bytes than
