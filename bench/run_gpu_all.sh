@@ -7,7 +7,7 @@
 # other filter, e.g. "--kind mla --layout page_first --slots allocator"; ROUNDS: --rounds; TTFT_BACKENDS: --io-backends of bench ttft; TTFT_ARGS: more options for it, e.g. "--inputs pinned"). Each step is time-boxed and writes
 # under $OUT as it goes, so a step that runs long still leaves the others' results.
 # At most 8 files come back from the device: gpu_tests.log (machine facts first),
-# transfer.log, transfer.err, transfer_h200.json, probes.log and one JSON per probe
+# transfer.log, transfer_verbose.log, transfer_h200.json, probes.log and one JSON per probe
 # (the plot is drawn here from the JSON: bench/acceptance.py --plot).
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KVTIER_HOST_RESERVE_GB=4
@@ -23,7 +23,17 @@ echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
 timeout "${BENCH_S:-420}" python -m kvtier.cli bench transfer --tokens "${TOKENS:-32768}" --reps 3 --rounds "${ROUNDS:-1}" \
   --page-size 1 --page-size 64 ${KINDS:-} ${BACKENDS:---backend kernel --backend dma --backend auto} ${EXTRA_BACKENDS:-} --verbose \
   --json "$OUT/transfer_h200.json" > "$OUT/transfer.log" 2> "$OUT/transfer.err"
-echo "bench transfer rc=$?"; grep -v '%|' "$OUT/transfer.err" | tail -3; }
+echo "bench transfer rc=$?"
+# The bench's stderr as a log: each row and trial on its own line, the progress bar's
+# redraws (carriage returns, "bench transfer: ..." up to the next row) dropped, anything
+# else (a traceback) kept. Written as transfer_verbose.log in place of transfer.err.
+python - "$OUT/transfer.err" "$OUT/transfer_verbose.log" <<'PY' && rm -f "$OUT/transfer.err"
+import re, sys
+text = open(sys.argv[1], errors="replace").read().replace("\r", "\n")
+text = re.sub(r"bench transfer:.*?(?=\[\s*\d+\.\ds\]|$)", "", text, flags=re.M)
+open(sys.argv[2], "w").write("".join(line + "\n" for line in text.splitlines() if line.strip()))
+PY
+tail -3 "$OUT/transfer_verbose.log" 2>/dev/null || tail -3 "$OUT/transfer.err"; }
 
 [ "${TTFT_S:-90}" -gt 0 ] && {
 timeout "${TTFT_S:-90}" python -m kvtier.cli bench ttft --io-backends "${TTFT_BACKENDS:-default,kernel}" ${TTFT_ARGS:-} \
