@@ -118,6 +118,19 @@ def test_in_flight_overlap_checks_ranges_before_members():
     assert not f.overlaps(np.array([], dtype=np.int64), np.array([], dtype=np.int64))
 
 
+def test_in_flight_slots_do_not_change_when_the_caller_reuses_its_index_tensors():
+    """The engine hands ``_InFlight`` numpy views of the caller's CPU index tensors; a caller
+    that refills them after the call must not move what later transfers are ordered after."""
+    from kvtier.transfer.engine import _InFlight
+    h, d = torch.arange(10, 20), torch.arange(100, 110)
+    f = _InFlight(None, h.numpy(), d.numpy(), True)
+    h.fill_(500)
+    d.fill_(900)
+    assert f.overlaps(np.array([15]), np.array([0]))      # still host slot 15
+    assert f.overlaps(np.array([0]), np.array([105]))     # still device slot 105
+    assert not f.overlaps(np.array([500]), np.array([900]))
+
+
 def test_bench_transfer_quick_writes_rows(tmp_path):
     out = tmp_path / "rows.json"
     png = tmp_path / "rows.png"

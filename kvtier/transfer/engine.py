@@ -165,9 +165,14 @@ class TransferStats:
 
 
 class _InFlight:
-    """Slots an unfinished transfer touches, and the event that ends it."""
+    """Slots an unfinished transfer touches, and the event that ends it.
+
+    Its own copies of the slots: ``host``/``dev`` are often views of the caller's index
+    tensors, which the caller may reuse as soon as the call returns, and a later transfer's
+    order after this one must go by the slots this one moves, not by what they became."""
 
     def __init__(self, handle, host: np.ndarray, dev: np.ndarray, to_host: bool):
+        host, dev = np.array(host, dtype=np.int64), np.array(dev, dtype=np.int64)
         self.handle, self.host, self.dev, self.to_host = handle, host, dev, to_host
         self.host_span, self.dev_span = _span(host), _span(dev)
 
