@@ -464,17 +464,23 @@ def test_dma_load_group_is_chosen_by_timed_trials():
     host.close()
 
 
+def _pool_and_reference(spec, layout):
+    """A device pool of random bytes, a host pool on it and a second host pool for the
+    direct backend's result, both hosts filled with 0xA5 (page size 1)."""
+    dev, host = _pools(spec, 1, layout)
+    ref = host_pool_for(dev, layout, host_size_tokens=host.size)
+    for hp in (host, ref):
+        for c in hp.component_tensors:
+            hp.raw_bytes(c).fill_(0xA5)
+    return dev, host, ref
+
+
 @pytest.mark.parametrize("backend", ["kernel", "dma"])
 def test_index_copies_are_kept_until_read_while_the_stream_is_busy(backend):
     """Host index tensors reach the GPU through pinned copies read by a kernel. Through the
     seed API nothing holds them once the call returns; while the stream is still busy the
     pinned block must not be handed out (and overwritten) by the next call's copy."""
-    spec = SPECS["mha_odd"]
-    dev, host = _pools(spec, 1, "layer_first")
-    ref = host_pool_for(dev, "layer_first", host_size_tokens=host.size)
-    for hp in (host, ref):
-        for c in hp.component_tensors:
-            hp.raw_bytes(c).fill_(0xA5)
+    dev, host, ref = _pool_and_reference(SPECS["mha_odd"], "layer_first")
     torch.cuda._sleep(100_000_000)  # everything queued next waits ~50 ms
     for i in range(8):
         h, d = torch.arange(16 * i, 16 * i + 16), torch.arange(200 - 16 * i, 216 - 16 * i)
@@ -483,6 +489,31 @@ def test_index_copies_are_kept_until_read_while_the_stream_is_busy(backend):
     torch.cuda.synchronize()
     for c in host.component_tensors:
         assert torch.equal(host.raw_bytes(c), ref.raw_bytes(c))
+    host.close()
+    ref.close()
+
+
+@pytest.mark.parametrize("backend", ["kernel", "dma"])
+def test_pinned_index_tensors_may_be_refilled_once_the_call_returns(backend):
+    """A caller's index tensors already in pinned memory: the engine's stream is held (~50 ms)
+    so the transfers' index reads run long after the calls return, and the caller refills its
+    tensors with other slots meanwhile. The bytes land where the calls said."""
+    dev, host, ref = _pool_and_reference(SPECS["mha_odd"], "page_first")
+    eng = TransferEngine(host, backend)
+    rng = np.random.default_rng(13)
+    h, d = _pages(rng, host.size, 64, 1), _pages(rng, dev.size, 64, 1)
+    eng.backup(h, d).synchronize()  # first use (tables, staging) out of the way
+    for c in host.component_tensors:
+        host.raw_bytes(c).fill_(0xA5)
+    h_pinned, d_pinned = h.pin_memory(), d.pin_memory()
+    torch.cuda._sleep(100_000_000)  # what is queued next waits ~50 ms
+    handle = eng.backup(h_pinned, d_pinned)
+    h_pinned.copy_(_pages(rng, host.size, 64, 1))  # the caller's next slots, before the reads ran
+    d_pinned.copy_(_pages(rng, dev.size, 64, 1))
+    handle.synchronize()
+    ref.backup_from_device_all_layer(dev, h, d, "direct")
+    for c in host.component_tensors:
+        assert torch.equal(host.raw_bytes(c), ref.raw_bytes(c)), c
     host.close()
     ref.close()
 

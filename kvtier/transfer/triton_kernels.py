@@ -241,10 +241,12 @@ def fetch_index(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
     The copy engines may be busy for many milliseconds with bulk transfers
     queued earlier (a load's host -> device copies); a small index copy queued
     behind them would hold up an unrelated transfer (and, from pageable
-    memory, the host). A kernel reads the pinned index over PCIe instead.
+    memory, the host). A kernel reads a pinned copy of the index over PCIe instead.
     """
-    src = idx.contiguous()
-    src = src if src.is_pinned() else src.pin_memory()
+    # Always a pinned copy of our own, even of a pinned tensor: the kernel reads it when the
+    # stream gets there, and the caller may refill its tensor as soon as the call returns.
+    src = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
+    src.copy_(idx)
     out = torch.empty(src.numel(), dtype=torch.int64, device=device)
     if src.numel():
         read = _copy_words(src, out)
