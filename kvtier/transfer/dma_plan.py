@@ -79,9 +79,7 @@ class Runs:
         # (run 64, ``probe_host_steps_h200.json``), on the way to the first copy.
         if int(host_idx[-1]) - int(host_idx[0]) == n - 1 and bool((host_idx[1:] > host_idx[:-1]).all()):
             return Runs(n, (n,), (1,))
-        starts = run_starts(host_idx)
-        if starts.size == 1:
-            return Runs(n, (n,), (1,))
+        starts = run_starts(host_idx)  # more than one run: the shortcut above takes one
         lengths, counts = np.unique(np.diff(np.append(starts, n)), return_counts=True)
         return Runs(n, tuple(lengths.tolist()), tuple(counts.tolist()))
 
