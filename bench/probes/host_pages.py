@@ -25,11 +25,10 @@ Usage: python bench/probes/host_pages.py OUT.json [--tokens N]
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from kvtier.bench.transfer import Case, measure
 from kvtier.transfer import TransferEngine
-from probelib import JsonLog, args, start
+from probelib import JsonLog, args, six_mha_pools_moved, start
 
 PATH, TOKENS = args("/tmp/probe_host_pages.json")
 log = JsonLog(PATH, tokens=TOKENS)
@@ -82,16 +81,7 @@ def main():
     clock, limits, _ = start(log)
     a = Case("mla", "layer_first", 1, TOKENS, "cuda", None)
     timed("A, fresh process", a, clock)
-    rng = np.random.default_rng(2)
-    for layout in ("layer_first", "page_first", "page_head"):
-        for ps in (1, 64):
-            c = Case("mha", layout, ps, TOKENS, "cuda", None)
-            idx = c.indices(False, rng)
-            eng = TransferEngine(c.host, "dma")
-            measure(c, eng, "both", idx, clock, 1)
-            c.host.close()
-            del c, eng
-            torch.cuda.empty_cache()
+    six_mha_pools_moved(TOKENS, clock, np.random.default_rng(2))
     b = Case("mla", "layer_first", 1, TOKENS, "cuda", None)
     timed("B, after six MHA pools", b, clock)
     timed("A again", a, clock)

@@ -65,3 +65,42 @@ def start(log: JsonLog, nbytes: int = 1 << 30):
     limits = contiguous_limit(nbytes, clock, 5)
     log("limit_gbps", {k: round(v, 2) for k, v in limits.items()})
     return clock, limits, np.random.default_rng(0)
+
+
+def mha_host_bytes(tokens: int) -> int:
+    """The host pool of an MHA case of the transfer table (llama-3-8b, 128 KiB a token, twice
+    ``tokens`` slots)."""
+    return 2 * tokens * 128 * 1024
+
+
+def mla_pool_and_engine(tokens: int, clock):
+    """An MLA layer_first page-1 case, its allocator slots (seed 1) and a dma engine on it,
+    warmed by one load and one backup-and-load pair: ``(case, idx, engine)``."""
+    import numpy as np
+
+    from kvtier.bench.transfer import Case, measure
+    from kvtier.transfer import TransferEngine
+    case = Case("mla", "layer_first", 1, tokens, "cuda", None)
+    idx = case.indices(False, np.random.default_rng(1))
+    eng = TransferEngine(case.host, "dma")
+    for direction in ("load", "both"):
+        measure(case, eng, direction, idx, clock, 1)
+    return case, idx, eng
+
+
+def six_mha_pools_moved(tokens: int, clock, rng) -> None:
+    """What the transfer table does before its MLA cases: an MHA case per layout and page size
+    (1, 64) made, moved once each way by a dma engine, and closed."""
+    import torch
+
+    from kvtier.bench.transfer import Case, measure
+    from kvtier.transfer import TransferEngine
+    for layout in ("layer_first", "page_first", "page_head"):
+        for ps in (1, 64):
+            c = Case("mha", layout, ps, tokens, "cuda", None)
+            idx = c.indices(False, rng)
+            eng = TransferEngine(c.host, "dma")
+            measure(c, eng, "both", idx, clock, 1)
+            c.host.close()
+            del c, eng
+            torch.cuda.empty_cache()

@@ -33,10 +33,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvtier.bench.transfer import Case, contiguous_limit, measure
+from kvtier.bench.transfer import contiguous_limit, measure
 from kvtier.memory import HostBuffer
-from kvtier.transfer import TransferEngine
-from probelib import JsonLog, args, start
+from probelib import JsonLog, args, mha_host_bytes, mla_pool_and_engine, six_mha_pools_moved, start
 
 PATH, TOKENS = args("/tmp/probe_process_state.json")
 log = JsonLog(PATH, tokens=TOKENS)
@@ -52,26 +51,12 @@ def timed(phase: str, case, eng, idx, clock) -> None:
 
 def main():
     clock, limits, _ = start(log)
-    a = Case("mla", "layer_first", 1, TOKENS, "cuda", None)
-    idx = a.indices(False, np.random.default_rng(1))
-    eng = TransferEngine(a.host, "dma")
-    for direction in ("load", "both"):
-        measure(a, eng, direction, idx, clock, 1)
+    a, idx, eng = mla_pool_and_engine(TOKENS, clock)
     timed("0: fresh", a, eng, idx, clock)
-    nbytes = 2 * TOKENS * 128 * 1024  # an MHA pool of the table's (llama-3-8b, 2x tokens)
     for _ in range(6):
-        HostBuffer((nbytes,), torch.uint8).release()
+        HostBuffer((mha_host_bytes(TOKENS),), torch.uint8).release()
     timed("1: after six host registrations", a, eng, idx, clock)
-    rng = np.random.default_rng(2)
-    for layout in ("layer_first", "page_first", "page_head"):
-        for ps in (1, 64):
-            c = Case("mha", layout, ps, TOKENS, "cuda", None)
-            ci = c.indices(False, rng)
-            ce = TransferEngine(c.host, "dma")
-            measure(c, ce, "both", ci, clock, 1)
-            c.host.close()
-            del c, ce
-            torch.cuda.empty_cache()
+    six_mha_pools_moved(TOKENS, clock, np.random.default_rng(2))
     timed("2: after six MHA pools moved", a, eng, idx, clock)
     for _ in range(6):
         measure(a, eng, "both", idx, clock, 5)

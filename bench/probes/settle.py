@@ -25,23 +25,20 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from kvtier.bench.transfer import Case, measure
 from kvtier.memory import HostBuffer
-from kvtier.transfer import TransferEngine
-from probelib import JsonLog, args, start
+from probelib import JsonLog, args, mha_host_bytes, mla_pool_and_engine, start
 
 PATH, TOKENS = args("/tmp/probe_settle.json")
 log = JsonLog(PATH, tokens=TOKENS)
 SERIES_S = 10.0
-MHA_HOST_BYTES = 2 * TOKENS * 128 * 1024  # llama-3-8b: 128 KiB a token, the table's 2x tokens
 
 
 def pinned_and_freed() -> None:
     for _ in range(3):
-        HostBuffer((MHA_HOST_BYTES,), torch.uint8).release()
+        HostBuffer((mha_host_bytes(TOKENS),), torch.uint8).release()
 
 
 def case_made_and_closed() -> None:
@@ -63,11 +60,7 @@ def series(a, eng, idx, clock) -> list[list[float]]:
 
 def main():
     clock, limits, _ = start(log)
-    a = Case("mla", "layer_first", 1, TOKENS, "cuda", None)
-    idx = a.indices(False, np.random.default_rng(1))
-    eng = TransferEngine(a.host, "dma")
-    for direction in ("load", "both"):
-        measure(a, eng, direction, idx, clock, 1)
+    a, idx, eng = mla_pool_and_engine(TOKENS, clock)
     pause = [2.0]
 
     def nothing() -> None:
