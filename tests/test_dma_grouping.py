@@ -478,9 +478,12 @@ def test_dma_parts_get_the_slot_pairs_in_host_order_and_kernel_parts_the_callers
     d = torch.from_numpy(np.random.default_rng(0).permutation(512)[:h.size].astype(np.int64))
     dma = DMABackend(DMAConfig(sort_below=1 << 62))
     handed = []
-    dma.runner = lambda parts, plans, hh, dd, quota=None, kernel_idx=None: handed.append((hh, dd, kernel_idx))
+    lazy = []
+    dma.runner = lambda parts, plans, hh, dd, quota=None, kernel_idx=None, lazy_dev=False: (
+        handed.append((hh, dd, kernel_idx)), lazy.append(lazy_dev))
     s_np, runs, order = dma.in_host_order(parts, h, Runs.of(h))
-    dma.runner_for(parts, ["a DMA plan"], order, s_np, torch.from_numpy(h), d)
+    dma.runner_for(parts, ["a DMA plan"], order, s_np, torch.from_numpy(h), d, lazy_dev=True)
+    assert lazy.pop() is True  # a load's device slots stay lazy through the reordering
     hh, dd, kernel_idx = handed.pop()
     assert (np.diff(hh.numpy()) > 0).all()
     assert sorted(zip(hh.tolist(), dd.tolist())) == sorted(zip(h.tolist(), d.tolist()))

@@ -584,6 +584,42 @@ def test_cuda_indices_are_read_back_once_per_transfer(backend, validate, monkeyp
     host.close()
 
 
+def test_a_load_queues_its_first_copies_before_its_device_slots_reach_the_device(monkeypatch):
+    """A DMA load asks for its device slots on the device only once its first chunk's copies
+    are queued (the copy engine need not wait for the index copy); a backup, before its first
+    gather. Either way the caller may reuse its index tensors once the call returns."""
+    import kvtier.transfer.dma as dma_mod
+    spec = SPECS["mla"]
+    dev, host = _pools(spec, 1, "page_first")
+    eng = TransferEngine(host, "dma")
+    rng = np.random.default_rng(11)
+    h, d = _pages(rng, host.size, 96, 1, contiguous=True), _pages(rng, dev.size, 96, 1)
+    eng.backup(h, d).synchronize()
+    eng.load(h, d).synchronize()  # the layers-per-copy trials, once per shape
+    order = []
+    real_on, real_issue = dma_mod.on_device, dma_mod._issue
+    monkeypatch.setattr(dma_mod, "on_device", lambda idx, device: (order.append(("index", idx.numel())),
+                                                                  real_on(idx, device))[1])
+    monkeypatch.setattr(dma_mod, "_issue", lambda *a, **k: (order.append(("copy", a[4])), real_issue(*a, **k))[1])
+    eng.backup(h, d).synchronize()
+    assert order and order[0] == ("index", 96), order  # a backup gathers with them: they go first
+    order.clear()
+    free = np.setdiff1d(np.arange(dev.size), d.numpy())
+    d2 = torch.from_numpy(rng.permutation(free)[:96].astype(np.int64))
+    want = d2.clone()
+    ld = eng.load(h, d2)
+    d2.fill_(0)  # the caller reuses its tensor: everything was read during the call
+    ld.synchronize()
+    copies = [i for i, (what, _) in enumerate(order) if what == "copy"]
+    assert copies and order[copies[0]] == ("copy", False), order
+    assert order.index(("index", 96)) > copies[0], order  # asked for after the first copies
+    from kvtier.device_pool import layer_attr
+    for c in spec.components:
+        for buf in getattr(dev, layer_attr(c.name)):
+            assert torch.equal(_b(buf[want.cuda()]), _b(buf[d.cuda()]))
+    host.close()
+
+
 @pytest.mark.parametrize("background", [True, False])
 @pytest.mark.parametrize("backend", ["dma", "auto", "kernel"])
 def test_a_backup_and_a_load_issued_back_to_back_move_the_right_bytes(backend, background):

@@ -229,7 +229,7 @@ class AutoBackend(Backend):
         if choice == "dma":
             s_np, s_runs, order = for_dma()
             plans = [self.dma.plan_part(p, s_np, to_host, whole, s_runs) for p in parts]
-            inner = self.dma.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota)
+            inner = self.dma.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota, lazy_dev=not to_host)
         else:
             plans = [None] * len(parts)
             inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota)

@@ -349,7 +349,7 @@ class DMABackend(Backend):
         host_np = host_numpy(host_idx) if host_np is None else host_np
         s_np, runs, order = self.in_host_order(parts, host_np, Runs.of(host_np))
         plans = [self.plan_part(p, s_np, to_host, whole, runs) for p in parts]
-        return self.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota)
+        return self.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota, lazy_dev=not to_host)
 
     def in_host_order(self, parts, host_np: np.ndarray, runs: Runs) -> tuple[np.ndarray, Runs, np.ndarray | None]:
         """``(slots, their runs, order)`` to plan with: ``host_np`` in host-slot order
@@ -364,25 +364,42 @@ class DMABackend(Backend):
         return (host_np, runs, None) if o is None else (o.slots, Runs.of(o.slots), o.order)
 
     def runner_for(self, parts, plans, order: np.ndarray | None, s_np: np.ndarray, host_idx: torch.Tensor,
-                   dev_idx: torch.Tensor, block_quota: int | None = None):
+                   dev_idx: torch.Tensor, block_quota: int | None = None, lazy_dev: bool = False):
         """:meth:`runner` for ``plans`` made with ``(s_np, _, order) = in_host_order(...)``: DMA
         parts move the slot pairs in that order, kernel parts in the caller's. The device slots
         are permuted only here, and only when some part goes by DMA."""
         if order is None or all(p is None for p in plans):
-            return self.runner(parts, plans, host_idx, dev_idx, block_quota)
+            return self.runner(parts, plans, host_idx, dev_idx, block_quota, lazy_dev=lazy_dev)
         sel = torch.from_numpy(order)
         dev = dev_idx.to(torch.int64)
         dev = dev[on_device(sel, dev.device)] if dev.device.type == "cuda" else dev[sel]
-        return self.runner(parts, plans, torch.from_numpy(s_np), dev, block_quota, kernel_idx=(host_idx, dev_idx))
+        return self.runner(parts, plans, torch.from_numpy(s_np), dev, block_quota, kernel_idx=(host_idx, dev_idx),
+                           lazy_dev=lazy_dev)
 
-    def runner(self, parts, plans, host_idx, dev_idx, block_quota=None, kernel_idx=None):
+    def runner(self, parts, plans, host_idx, dev_idx, block_quota=None, kernel_idx=None, lazy_dev: bool = False):
         """``run(layer)`` for these plans (None: that part goes through the kernel, with the
-        slot pairs ``kernel_idx``, default ``host_idx, dev_idx``: the caller's order)."""
+        slot pairs ``kernel_idx``, default ``host_idx, dev_idx``: the caller's order).
+
+        ``lazy_dev`` (loads): the device slots reach the device when a DMA part first needs
+        them, for its first scatter, after its first chunk's copies are queued; so the copy
+        engine starts without waiting for the index copy (0.41 ms of host time in an H200
+        transfer call, run 64; loads ran +0.29 GB/s faster with the slots already on the device,
+        run 63). Only for loads, whose every layer is queued before ``load()`` returns: a
+        backup's rest may be queued later, by the engine's thread, and must not read the
+        caller's index tensor then.
+        """
         device = parts[0].device_layers[0].device
-        d = on_device(dev_idx, device)
+        fetched: list[torch.Tensor] = []
+
+        def d_of() -> torch.Tensor:
+            if not fetched:
+                fetched.append(on_device(dev_idx, device))
+            return fetched[0]
+        if not lazy_dev:
+            d_of()
         k_h, k_d = kernel_idx or (host_idx, dev_idx)
         h = on_device(k_h, device) if any(p is None for p in plans) else None
-        d_kernel = on_device(k_d, device) if h is not None and k_d is not dev_idx else d
+        d_kernel = (on_device(k_d, device) if k_d is not dev_idx else d_of()) if h is not None else None
         blocks = self.fallback._blocks(block_quota)
         joined = [False]  # a load's copy stream joins the caller's stream once per transfer
         if any(isinstance(p, GroupedPlan) for p in plans):
@@ -398,9 +415,9 @@ class DMABackend(Backend):
                     used = max(used, self.fallback.copy_part(part, h, d_kernel, layer, blocks))
                     continue
                 if layer is None:
-                    self.run_part(part, p, d, None, first=ahead[0][1] if ahead[0] and ahead[0][0] == k else 0)
+                    self.run_part(part, p, d_of, None, first=ahead[0][1] if ahead[0] and ahead[0][0] == k else 0)
                 elif n := p.issue_at(layer):  # 0: moved with its group's first layer
-                    self.run_part(part, p.plans[n], d, layer, join=not joined[0], n_layers=n)
+                    self.run_part(part, p.plans[n], d_of, layer, join=not joined[0], n_layers=n)
                     joined[0] = True
                 used = max(used, self.config.gather_blocks)
             self.last_blocks = used
@@ -415,16 +432,18 @@ class DMABackend(Backend):
             for k, (part, p) in enumerate(zip(parts, plans)):
                 if p is not None and not isinstance(p, GroupedPlan) and p.n_chunks and ahead[0] is None:
                     stop = head_chunks(p, part.layer_num, part.item_bytes, self.config.head_bytes)
-                    self.run_part(part, p, d, None, stop=stop)
+                    self.run_part(part, p, d_of, None, stop=stop)
                     ahead[0] = (k, stop)
                     return
         run.head = head
         return run
 
-    def run_part(self, part: TransferPart, p: DMAPlan | ChunkedPlan, d: torch.Tensor, layer: int | None, join: bool = True,
+    def run_part(self, part: TransferPart, p: DMAPlan | ChunkedPlan, d_of, layer: int | None, join: bool = True,
                  n_layers: int = 1, first: int = 0, stop: int | None = None) -> None:
         """Queue one part: all layers (``layer=None``) or layers ``layer .. layer+n_layers-1``.
         A backup may be queued in pieces: chunks ``first`` up to ``stop`` (default: the last).
+        ``d_of()``: the device slots, as an int64 tensor on the device (a load asks for them
+        only once its first copies are queued).
 
         Backup: gather on the side stream, copy on the caller's. Load: copies
         on the side stream, scatters on the caller's, so the copy engine runs
@@ -434,13 +453,15 @@ class DMABackend(Backend):
         ordering after compute and after conflicting transfers.
         """
         to_host = layer is None
-        ring = self.ring(d.device, to_host)
-        cur = torch.cuda.current_stream(d.device)
-        ptrs = self.tables.get(part, d.device)
+        device = part.device_layers[0].device
+        d = d_of() if to_host else None
+        ring = self.ring(device, to_host)
+        cur = torch.cuda.current_stream(device)
+        ptrs = self.tables.get(part, device)
         host_base = part.host_raw.data_ptr() + (0 if to_host else layer * part.host.layer_stride)
         with ring.lock:
             # The pool may hand out the caller's stream as the side stream: they would take turns.
-            ring.side = streams.apart(ring.side, d.device, ring.priority, cur)
+            ring.side = streams.apart(ring.side, device, ring.priority, cur)
             # A backup's gathers join the caller's stream once, at its first chunk (that carries
             # the order after compute and after conflicting transfers). Chunks queued after a
             # head (``first`` > 0) do not join again: that waited for the head's copies, and the
@@ -456,7 +477,7 @@ class DMABackend(Backend):
                     self._backup_chunks(ring, cur, part, p, ptrs, d, host_base,
                                         range(first, p.n_chunks if stop is None else stop))
             else:
-                self._load_chunks(ring, cur, part, p, ptrs, d, host_base, layer, n_layers)
+                self._load_chunks(ring, cur, part, p, ptrs, d_of, host_base, layer, n_layers)
 
     def _backup_chunks(self, ring, cur, part, p, ptrs, d, host_base, chunks: range) -> None:
         """Gather each of ``chunks`` on the side stream (current here), then copy it to the host on
@@ -480,9 +501,11 @@ class DMABackend(Backend):
             slot.free.record(cur)
             between_chunks()
 
-    def _load_chunks(self, ring, cur, part, p, ptrs, d, host_base, layer, n_layers) -> None:
-        """Copy each chunk from the host on the side stream, then scatter it on ``cur``."""
-        wp = None
+    def _load_chunks(self, ring, cur, part, p, ptrs, d_of, host_base, layer, n_layers) -> None:
+        """Copy each chunk from the host on the side stream, then scatter it on ``cur``. The
+        device slots (``d_of()``, on ``cur``) are asked for after the first chunk's copies are
+        queued, and before ``cur`` waits for them, so their copy runs beside those copies."""
+        wp = d = None
         if drains_at(layer, n_layers, self.config.load_drain):
             ring.drain(self._drain_after)
         for i in range(p.n_chunks):
@@ -493,6 +516,8 @@ class DMABackend(Backend):
             ring.side.wait_event(slot.free)
             _issue(tall, flat, host_base, slot.buf.data_ptr(), False, ring.side.cuda_stream, self.config.batch_min)
             slot.ready.record(ring.side)
+            if d is None:
+                d = d_of()
             cur.wait_event(slot.ready)
             copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, layer, n_layers,
                        False, self.config.gather_blocks, wp)
