@@ -1,6 +1,6 @@
 """Probe: is the host slow before a transfer's first copy because it was idle just before?
 
-Run 61 (``probe_host_timeline_h200.json``): an MLA page_first p1 backup's first device work
+Run 61 (``probe_host_timeline_h200_run61.json``): an MLA page_first p1 backup's first device work
 starts 1.5 ms after the call, and every step on the way takes 5-20x what it takes alone
 (the index check 0.10 ms against 0.005; ``prepare`` to its host order 0.24 ms against 0.03;
 the device slots to the device 0.58 ms against 0.07). The steps alone are medians of 20 calls

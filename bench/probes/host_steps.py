@@ -1,6 +1,6 @@
 """Probe: the host time of every step of a transfer call, measured inside the call itself.
 
-Run 61 (``probe_host_timeline_h200.json``): an MLA page_first p1 backup's first device work
+Run 61 (``probe_host_timeline_h200_run61.json``): an MLA page_first p1 backup's first device work
 starts 1.5 ms after the call (3.4% of its 44 ms: the rows on allocator slots miss 0.95x by
 0.002-0.024x), and the steps on the way take 5-20x what each takes alone, back to back.
 ``cold_host`` (run 62) ruled out an idle core: 2 ms of spinning before the call changed
@@ -10,7 +10,7 @@ call), so the sums are the steps' own costs in the call as the bench makes it.
 
 Logged per case: for every wrapped step, the median over seven calls of its host ms within
 one call (nested steps count in their callers too) and how often it ran; and the whole call.
-Run 64 (``probe_host_steps_h200.json``), MLA page_first p1 backup, 2.68 ms in the call:
+Run 64 (``probe_host_steps_h200_run64.json``), MLA page_first p1 backup, 2.68 ms in the call:
 ``prepare`` 0.76 ms (the device slots to the device 0.41 ms: ``pin_memory`` 0.11, the Triton
 launch of the index copy 0.19; ``Runs.of`` 0.19), the head's chunks 0.99 ms (4 gather
 launches, 0.11 ms each), ``torch.cuda.current_stream`` 0.18 ms over 9 calls (20 us each: the

@@ -40,7 +40,7 @@ On the way: index check 0.09 ms; the engine 0.18 ms; ``prepare`` to its host ord
 between launching the first gather and queueing its copy (the host is behind: the copy starts
 as soon as it is queued). The load: its first copy at 1.59 ms. Each step of those is now
 timed alone as well ("host costs"), to find where the 0.4 ms of the index copy goes.
-Run 61 (``probe_host_timeline_h200.json``): the same picture (first device work at
+Run 61 (``probe_host_timeline_h200_run61.json``): the same picture (first device work at
 1.48-1.59 ms over three calls, the index copy 0.58 ms in the call), while each step alone,
 back to back, takes a fraction: ``is_pinned`` 0.0008 ms and ``check_mapped`` 0.0006 ms (so the
 switch to the pool's own record saved nothing measurable), ``Runs.of`` 0.025, the index copy

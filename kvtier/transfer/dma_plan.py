@@ -76,7 +76,7 @@ class Runs:
         # One run, as an allocator hands slots out: strictly increasing over a span of n - 1
         # slots is first, first + 1, ... One comparison pass, no index arrays: 10 us against
         # 27 for 32k slots on a CI core; in an H200 transfer call the general path took 0.19 ms
-        # (run 64, ``probe_host_steps_h200.json``), on the way to the first copy.
+        # (run 64, ``probe_host_steps_h200_run64.json``), on the way to the first copy.
         if int(host_idx[-1]) - int(host_idx[0]) == n - 1 and bool((host_idx[1:] > host_idx[:-1]).all()):
             return Runs(n, (n,), (1,))
         starts = run_starts(host_idx)  # more than one run: the shortcut above takes one
