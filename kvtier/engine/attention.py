@@ -76,27 +76,43 @@ def _expand_heads(k: torch.Tensor, n_heads: int) -> torch.Tensor:
     return k if k.shape[1] == n_heads else k.repeat_interleave(n_heads // k.shape[1], dim=1)
 
 
-def reference_attention(acc: torch.dtype | None = None) -> AttendFn:
+# Scores one reference-attention block may hold (query rows x keys x query heads): 2^25, 256 MiB
+# in float64. Whole, a 16k-token prefill of 8 query heads held 17 GB of float64 scores, and the
+# softmax as much again: a CPU machine's process was killed.
+MAX_SCORES = 1 << 25
+
+
+def reference_attention(acc: torch.dtype | None = None, max_scores: int = MAX_SCORES) -> AttendFn:
     """Explicit causal attention; ``q`` is ``(n, heads, d)``, ``k``/``v`` ``(ctx, kv_heads, d)``.
 
     The query heads of a group are stacked so that each KV head is read once
     (no copy of K/V per query head). Scores, softmax and the weighted sum are
     computed in ``acc`` (default float32) and rounded to ``q``'s dtype.
+    Queries go in blocks of rows whose scores (rows x keys x heads) stay within
+    ``max_scores`` elements; each block attends to the keys up to its last query
+    only (the ones after are masked out anyway).
     """
+    if max_scores < 1:
+        raise ValueError(f"max_scores must be >= 1, got {max_scores}")
 
     def attend(q, k, v, q_start, scale):
         dt = acc or torch.float32
         n, n_heads, d = q.shape
         kv_heads = k.shape[1]
         group = n_heads // kv_heads
-        # (n, kv_heads * group, d) -> (kv_heads, group * n, d): rows of one KV head together.
-        qg = q.to(dt).view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * n, d)
-        scores = torch.matmul(qg, k.to(dt).permute(1, 2, 0)) * scale
-        mask = causal_mask(n, q_start, q.device).repeat(group, 1)
-        scores.masked_fill_(~mask, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), v.to(dt).transpose(0, 1))
-        dv = out.shape[-1]
-        return out.view(kv_heads, group, n, dv).permute(2, 0, 1, 3).reshape(n, n_heads, dv).to(q.dtype)
+        kt, vt = k.to(dt).permute(1, 2, 0), v.to(dt).transpose(0, 1)  # (kv_heads, d, ctx), (kv_heads, ctx, dv)
+        rows = max(1, max_scores // (n_heads * (q_start + n)))
+        out = torch.empty(n, n_heads, vt.shape[-1], dtype=q.dtype, device=q.device)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            m, keys = r1 - r0, q_start + r1
+            # (m, kv_heads * group, d) -> (kv_heads, group * m, d): rows of one KV head together.
+            qg = q[r0:r1].to(dt).view(m, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * m, d)
+            scores = torch.matmul(qg, kt[:, :, :keys]) * scale
+            scores.masked_fill_(~causal_mask(m, q_start + r0, q.device).repeat(group, 1), float("-inf"))
+            o = torch.matmul(torch.softmax(scores, dim=-1), vt[:, :keys])
+            out[r0:r1] = o.view(kv_heads, group, m, -1).permute(2, 0, 1, 3).reshape(m, n_heads, -1)
+        return out
 
     return attend
 
