@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import psutil
 import pytest
 from click.testing import CliRunner
 
@@ -56,6 +57,26 @@ def test_bench_ttft_runs_on_cpu(tmp_path):
         assert r["first_tokens_equal"] == 1
         assert r["recompute_ttft_s"] > 0 and r["host_hit_ttft_s"] > 0 and r["copy_limit_gbps"] > 0
     assert doc["cache_metrics"]["direct"]["hit_tokens_total.host"] >= 128 + 256
+
+
+def test_bench_ttft_defaults_to_contexts_the_model_can_prefill_here():
+    """The tiny model (a CPU smoke test) defaults to 1k and 2k tokens, not the 16k and 32k of the
+    real shape (one 16k recompute takes minutes in float64 on a CPU)."""
+    from kvtier.bench.ttft import DEFAULT_CONTEXTS, MODELS
+    assert DEFAULT_CONTEXTS.keys() == MODELS.keys() and DEFAULT_CONTEXTS["llama-3-8b"] == "16384,32768"
+    res = CliRunner().invoke(main, ["bench", "ttft", "--model", "tiny", "--new-tokens", "16", "--repeats", "1",
+                                    "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "| 1,024 | 16 | direct |" in res.output and "| 2,048 | 16 | direct |" in res.output
+
+
+@pytest.mark.skipif(psutil.virtual_memory().available > 30e9, reason="the real shape's weights fit here")
+def test_bench_ttft_refuses_a_model_that_cannot_fit_in_host_memory():
+    """llama-3-8b on the CPU (float32, 32.1 GB) is refused before its weights are allocated,
+    naming what it needs and the way out, where the OOM killer used to end the process."""
+    res = CliRunner().invoke(main, ["bench", "ttft", "--device", "cpu"])
+    assert res.exit_code == 1
+    assert "weights need 32.1 GB of host memory" in res.output and "--model tiny" in res.output
 
 
 def test_bench_ttft_warms_auto_until_it_has_chosen():

@@ -164,6 +164,26 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
     assert 0 <= grew < 1.5e9, f"peak memory grew by {grew / 1e9:.2f} GB"
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("variant", [{}, {"tie_embeddings": True}, {"q_lora_rank": 24}, {"dtype": torch.bfloat16}])
+def test_weight_bytes_counts_what_the_model_holds_and_a_model_too_large_is_refused_first(kind, variant):
+    """``weight_bytes`` (from the shape) equals the built model's bytes; a model larger than
+    the host's available memory is refused by name and size before any weight is allocated."""
+    from kvtier.engine.engine import make_model, weight_bytes
+    from kvtier.memory import host_memory
+    cfg = small(kind, n_kv_heads=1, **variant)
+    model = random_model(cfg, 0)
+    assert weight_bytes(cfg) == sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    if variant:
+        return
+    # An embedding table alone larger than the host: refused, never built (not even its first rows).
+    vocab = int(2 * host_memory(0).available / (4 * cfg.hidden_size)) + 1
+    huge = small(kind, vocab_size=vocab)
+    with pytest.raises(MemoryError, match=r"float32 weights need [0-9.]+ GB of host memory and [0-9.]+ GB is "
+                                          r"available: run it on a GPU .* or take a smaller model"):
+        make_model(huge, EngineConfig(device="cpu"))
+
+
 def test_causal_mask_offsets():
     m = causal_mask(3, 2, "cpu")
     assert m.tolist() == [[True, True, True, False, False], [True, True, True, True, False], [True] * 5]

@@ -75,6 +75,22 @@ class ModelConfig:
         return KVSpec(MLA, self.n_layers, self.dtype, kv_lora_rank=self.kv_lora_rank,
                       qk_rope_head_dim=self.qk_rope_head_dim)
 
+    def n_weights(self) -> int:
+        """Parameters of a model of this shape, as the builders in ``kvtier.engine.models`` make it
+        (counted from the shape: building one even on the meta device costs 1.5 s and 150 MB of
+        torch's meta kernels the first time)."""
+        h = self.hidden_size
+        if self.kind == LLAMA:
+            attn = 2 * h * self.n_heads * self.head_dim + 2 * h * self.n_kv_heads * self.head_dim
+        else:
+            qk, r = self.qk_nope_head_dim + self.qk_rope_head_dim, self.q_lora_rank
+            q = h * r + r + r * self.n_heads * qk if r else h * self.n_heads * qk
+            attn = (q + h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+                    + self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
+                    + self.n_heads * self.v_head_dim * h)
+        layer = attn + 3 * h * self.intermediate_size + 2 * h  # attention, SwiGLU, two norms
+        return (1 if self.tie_embeddings else 2) * self.vocab_size * h + self.n_layers * layer + h
+
     def with_(self, **changes) -> "ModelConfig":
         return replace(self, **changes)
 

@@ -16,6 +16,7 @@ import torch
 
 from ..device_pool import pool_from_spec
 from ..host_pool import host_pool_for
+from ..memory import GB, host_memory
 from .checkpoint import load_checkpoint, random_model
 from .config import EngineConfig, ModelConfig
 from .kv_manager import NoPrefixCache, PrefixCache
@@ -52,7 +53,25 @@ def make_model(model_cfg: ModelConfig, config: EngineConfig, seed: int = 0,
     acc = torch.float64 if exact else None
     if checkpoint:
         return load_checkpoint(checkpoint, dev, model_cfg.dtype, attention=attention, acc=acc)
+    if dev.type == "cpu":
+        check_weights_fit(model_cfg)
     return random_model(model_cfg, seed, dev, attention=attention, acc=acc)
+
+
+def weight_bytes(model_cfg: ModelConfig) -> int:
+    """Bytes of a model of ``model_cfg``'s weights (:meth:`ModelConfig.n_weights`; nothing allocated)."""
+    return model_cfg.n_weights() * model_cfg.dtype.itemsize
+
+
+def check_weights_fit(model_cfg: ModelConfig) -> None:
+    """Raise MemoryError, before anything is allocated, if a model of ``model_cfg`` cannot be held
+    in host memory (past that, the kernel's OOM killer ends the process with no message)."""
+    need, mem = weight_bytes(model_cfg), host_memory(reserve_bytes=0)
+    if need > mem.available:
+        raise MemoryError(
+            f"the model's {str(model_cfg.dtype).removeprefix('torch.')} weights need {need / GB:.1f} GB of "
+            f"host memory and {mem.available / GB:.1f} GB is available: run it on a GPU (device='cuda', "
+            f"--device cuda) or take a smaller model (kvtier bench ttft --model tiny)")
 
 
 KV_MANAGERS = {"none": _no_prefix_cache, "gpu": _prefix_cache, "tiers": _prefix_cache}
