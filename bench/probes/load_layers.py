@@ -1,0 +1,146 @@
+"""Probe: where a slow per-layer load loses its time, layer by layer, round by round.
+
+MLA layer_first allocator loads met 0.95x in the full table of run 71 (0.955x at page 1,
+0.956x at page 64) and were short alone in a fresh process minutes later (run 73: 0.945x and
+0.947x), where one round of the page-1 row ran at 53.6 GB/s and the next at 51.0. Such a load
+moves one layer at a time: a 37.7 MB copy from the host into staging on a side stream, then a
+scatter of it into the device slots on the caller's stream. A round is slow either because
+the copies themselves run slower (the link), or because the copy engine sits idle between
+them (the host, or the scatters holding the staging ring), or at the ends (the host before
+the first copy, the last scatter after the last copy).
+
+Every chunk's copies (``dma._issue``) and scatter (``dma.copy_items``) are bracketed by
+events on the stream each runs on, tagged with the layer (``DMABackend._load_chunks``); so
+each round splits into: the start (call to the first copy), the copies' own time, the copy
+engine's idle time between copies, the tail (last copy's end to the last scatter's end).
+Ten rounds of each case, MLA layer_first pages 1 and 64, allocator slots, a dma engine,
+32,768 tokens, after two untimed loads; then the same ten without the events, for what
+recording them costs.
+Prediction: if the link, a slow round's copies are slower in every layer and the idle time is
+the same; if the host or the ring, the copies run at one rate and the idle time grows.
+Usage: python bench/probes/load_layers.py OUT.json [--tokens N]
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+import torch
+
+import kvtier.transfer.dma as dma_mod
+from kvtier.bench.transfer import Case
+from kvtier.transfer import TransferEngine
+from probelib import JsonLog, args, start, transfer
+
+PATH, TOKENS = args("/tmp/probe_load_layers.json")
+log = JsonLog(PATH, tokens=TOKENS)
+ROUNDS = 10
+
+
+class Marks:
+    """Events around each chunk's copies and scatter while ``on``: (layer, kind, start, end)."""
+
+    def __init__(self):
+        self.on = False
+        self.layer = None
+        self.spans: list[tuple[int, str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def bracket(self, kind: str, stream, fn, *a, **k):
+        if not self.on:
+            return fn(*a, **k)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(stream)
+        out = fn(*a, **k)
+        e.record(stream)
+        self.spans.append((self.layer, kind, s, e))
+        return out
+
+
+M = Marks()
+
+
+def install() -> None:
+    real_issue, real_copy, real_chunks = dma_mod._issue, dma_mod.copy_items, dma_mod.DMABackend._load_chunks
+
+    def issue(*a, **k):  # (tall, flat, host_base, stg_base, to_host, stream, batch_min)
+        if a[4]:
+            return real_issue(*a, **k)
+        return M.bracket("copy", torch.cuda.ExternalStream(a[5]), real_issue, *a, **k)
+
+    def copy_items(*a, **k):  # argument 10: to_buf (a gather); a scatter runs on the current stream
+        if a[10]:
+            return real_copy(*a, **k)
+        return M.bracket("scatter", torch.cuda.current_stream(), real_copy, *a, **k)
+
+    def load_chunks(self, ring, cur, part, p, ptrs, d_of, host_base, layer, n_layers):
+        M.layer = layer
+        return real_chunks(self, ring, cur, part, p, ptrs, d_of, host_base, layer, n_layers)
+    dma_mod._issue, dma_mod.copy_items, dma_mod.DMABackend._load_chunks = issue, copy_items, load_chunks
+
+
+def one_load(case, eng, idx, marked: bool) -> dict:
+    h, d = idx[0], idx[1]
+    torch.cuda.synchronize()
+    M.spans.clear()
+    M.on = marked
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    transfer(eng, h, d, False)
+    t1.record()
+    t1.synchronize()
+    M.on = False
+    total = t0.elapsed_time(t1)
+    out = {"gbps": round(case.nbytes / total / 1e6, 2), "total_ms": round(total, 3)}
+    if not marked:
+        return out
+    ms = [(layer, kind, t0.elapsed_time(s), t0.elapsed_time(e)) for layer, kind, s, e in M.spans]
+    copies = sorted((a, b, layer) for layer, kind, a, b in ms if kind == "copy")
+    scatters = sorted((a, b, layer) for layer, kind, a, b in ms if kind == "scatter")
+    busy = [b - a for a, b, _ in copies]
+    idle = [max(0.0, copies[i + 1][0] - copies[i][1]) for i in range(len(copies) - 1)]
+    per_layer: dict[int, float] = {}
+    for a, b, layer in copies:
+        per_layer[layer] = per_layer.get(layer, 0.0) + (b - a)
+    layer_bytes = case.nbytes / len(per_layer)
+    out.update({
+        "start_ms": round(copies[0][0], 3),
+        "copy_ms": round(sum(busy), 3),
+        "idle_between_copies_ms": round(sum(idle), 3),
+        "tail_ms": round(scatters[-1][1] - copies[-1][1], 3),
+        "copies": len(copies),
+        "copy_gbps_by_layer": [round(layer_bytes / t / 1e6, 2) for _, t in sorted(per_layer.items())],
+        "idle_gaps_over_0.05ms": [[copies[i + 1][2], round(g, 3)] for i, g in enumerate(idle) if g > 0.05],
+    })
+    return out
+
+
+def summary(rounds: list[dict]) -> dict:
+    keys = ("gbps", "start_ms", "copy_ms", "idle_between_copies_ms", "tail_ms")
+    out = {k: [r[k] for r in rounds] for k in keys}
+    rates = [statistics.median(r["copy_gbps_by_layer"]) for r in rounds]
+    out["median_layer_copy_gbps"] = [round(x, 2) for x in rates]
+    return out
+
+
+def main():
+    clock, limits, _ = start(log)
+    install()
+    for ps in (1, 64):
+        case = Case("mla", "layer_first", ps, TOKENS, "cuda", None)
+        idx = case.indices(False, np.random.default_rng(1))
+        eng = TransferEngine(case.host, "dma")
+        for _ in range(2):
+            one_load(case, eng, idx, False)
+        marked = [one_load(case, eng, idx, True) for _ in range(ROUNDS)]
+        plain = [one_load(case, eng, idx, False)["gbps"] for _ in range(ROUNDS)]
+        log(f"mla/layer_first/p{ps}/allocator/load", {
+            "limit_gbps": limits["load"], "summary": summary(marked), "unmarked_gbps": plain,
+            "slowest": min(marked, key=lambda r: r["gbps"]), "fastest": max(marked, key=lambda r: r["gbps"])})
+        case.host.close()
+        del case, eng
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
