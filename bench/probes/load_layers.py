@@ -14,10 +14,15 @@ events on the stream each runs on, tagged with the layer (``DMABackend._load_chu
 each round splits into: the start (call to the first copy), the copies' own time, the copy
 engine's idle time between copies, the tail (last copy's end to the last scatter's end).
 Ten rounds of each case, MLA layer_first pages 1 and 64, allocator slots, a dma engine,
-32,768 tokens, after two untimed loads; then the same ten without the events, for what
-recording them costs.
-Prediction: if the link, a slow round's copies are slower in every layer and the idle time is
-the same; if the host or the ring, the copies run at one rate and the idle time grows.
+32,768 tokens, after two untimed loads; then, without the events, ten loads with the default
+drains (``DMAConfig.load_drain``: every 4 layers the copies wait behind a one-element kernel,
+0.02-0.05 ms each in run 40) and ten with none, in turn.
+Predictions: if the link, a slow round's copies are slower in every layer and the idle time is
+the same; if the host or the ring, the copies run at one rate and the idle time grows. The
+drains: 15 in a 61-layer load (7 in MHA's 32), so 0.3-0.75 ms of a 43 ms MLA load, 0.7-1.7%;
+MLA page_first loads (32 layers a copy: one drain) lose none of it, and they are the MLA loads
+that meet 0.95x. If so, no drains run 0.007-0.017x faster, and the marked rounds show gaps
+before layers 4, 8, ...
 Usage: python bench/probes/load_layers.py OUT.json [--tokens N]
 """
 
@@ -31,7 +36,8 @@ import torch
 import kvtier.transfer.dma as dma_mod
 from kvtier.bench.transfer import Case
 from kvtier.transfer import TransferEngine
-from probelib import JsonLog, args, start, transfer
+from kvtier.transfer.dma import DMABackend, DMAConfig
+from probelib import JsonLog, args, cell, in_turn, start, transfer
 
 PATH, TOKENS = args("/tmp/probe_load_layers.json")
 log = JsonLog(PATH, tokens=TOKENS)
@@ -110,7 +116,9 @@ def one_load(case, eng, idx, marked: bool) -> dict:
         "tail_ms": round(scatters[-1][1] - copies[-1][1], 3),
         "copies": len(copies),
         "copy_gbps_by_layer": [round(layer_bytes / t / 1e6, 2) for _, t in sorted(per_layer.items())],
-        "idle_gaps_over_0.05ms": [[copies[i + 1][2], round(g, 3)] for i, g in enumerate(idle) if g > 0.05],
+        # [layer of the copy after the gap, ms]: drains (DMAConfig.load_drain, every 4 layers,
+        # 0.02-0.05 ms each in run 40) show as gaps before layers 4, 8, ...
+        "idle_gaps_over_0.01ms": [[copies[i + 1][2], round(g, 3)] for i, g in enumerate(idle) if g > 0.01],
     })
     return out
 
@@ -129,16 +137,21 @@ def main():
     for ps in (1, 64):
         case = Case("mla", "layer_first", ps, TOKENS, "cuda", None)
         idx = case.indices(False, np.random.default_rng(1))
-        eng = TransferEngine(case.host, "dma")
-        for _ in range(2):
-            one_load(case, eng, idx, False)
+        engines = {"drain every 4 layers": TransferEngine(case.host, "dma"),
+                   "no drains": TransferEngine(case.host, DMABackend(DMAConfig(load_drain=0)))}
+        for eng in engines.values():
+            for _ in range(2):
+                one_load(case, eng, idx, False)
+        eng = engines["drain every 4 layers"]
         marked = [one_load(case, eng, idx, True) for _ in range(ROUNDS)]
-        plain = [one_load(case, eng, idx, False)["gbps"] for _ in range(ROUNDS)]
+        # The drains' cost: the default against none, unmarked, in turn.
+        plain = in_turn(engines, lambda e: one_load(case, e, idx, False)["gbps"], warmups=0, rounds=ROUNDS)
         log(f"mla/layer_first/p{ps}/allocator/load", {
-            "limit_gbps": limits["load"], "summary": summary(marked), "unmarked_gbps": plain,
+            "limit_gbps": limits["load"], "summary": summary(marked),
+            "unmarked": {k: cell(v, limits["load"]) for k, v in plain.items()},
             "slowest": min(marked, key=lambda r: r["gbps"]), "fastest": max(marked, key=lambda r: r["gbps"])})
         case.host.close()
-        del case, eng
+        del case, eng, engines
         torch.cuda.empty_cache()
 
 
