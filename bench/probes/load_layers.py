@@ -79,9 +79,9 @@ def install() -> None:
             return real_copy(*a, **k)
         return M.bracket("scatter", torch.cuda.current_stream(), real_copy, *a, **k)
 
-    def load_chunks(self, ring, cur, part, p, ptrs, d_of, host_base, layer, n_layers):
-        M.layer = layer
-        return real_chunks(self, ring, cur, part, p, ptrs, d_of, host_base, layer, n_layers)
+    def load_chunks(self, *a, **k):  # (ring, cur, part, p, ptrs, d_of, host_base, layer, ...)
+        M.layer = a[7]
+        return real_chunks(self, *a, **k)
     dma_mod._issue, dma_mod.copy_items, dma_mod.DMABackend._load_chunks = issue, copy_items, load_chunks
 
 
