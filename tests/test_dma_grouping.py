@@ -291,6 +291,7 @@ def test_chunked_plan_keeps_its_own_copy_of_the_slots():
                                  {"kernel_below": -1}, {"kernel_below": 1.5}, {"sort_slots": 1}, {"sort_below": -1},
                                  {"load_drain": -1}, {"load_drain": True},
                                  {"backup_drain": -1}, {"backup_drain": 2.0}, {"head_bytes": -1},
+                                 {"load_drain_bytes": -1}, {"load_drain_bytes": True},
                                  {"buffers": 1}])
 def test_dma_config_rejects_bad_values_by_name(bad):
     pytest.importorskip("triton")
@@ -537,3 +538,20 @@ def test_head_chunks_are_the_fewest_first_chunks_that_hold_the_budget(layered, n
     assert 1 <= n <= p.n_chunks
     assert n == 1 or sum(sizes[:n - 1]) < budget
     assert sum(sizes[:n]) >= budget or n == p.n_chunks
+
+
+@given(layers=st.integers(0, 8), min_bytes=st.integers(0, 1 << 31), layer_bytes=st.integers(0, 1 << 28))
+def test_a_load_drains_every_load_drain_layers_but_no_sooner_than_load_drain_bytes(layers, min_bytes, layer_bytes):
+    """``drain_every``: 0 stays never; else the fewest layers, at least ``load_drain``, that move
+    ``load_drain_bytes`` (a 32k MLA load: 15 layers of 37.7 MB, where MHA's 128 MiB layers
+    keep 4)."""
+    pytest.importorskip("triton")
+    from kvtier.transfer.dma import drain_every
+    every = drain_every(layers, min_bytes, layer_bytes)
+    if layers == 0:
+        assert every == 0
+        return
+    assert every >= layers and (every * max(layer_bytes, 1) >= min_bytes)
+    assert every == layers or (every - 1) * max(layer_bytes, 1) < min_bytes
+    mib = 1 << 20
+    assert drain_every(4, 512 * mib, 32768 * 1152) == 15 and drain_every(4, 512 * mib, 32768 * 4096) == 4

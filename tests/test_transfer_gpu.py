@@ -164,8 +164,42 @@ def test_dma_loads_that_drain_every_few_layers_match_direct(drain, group, name, 
     rng = np.random.default_rng(hash((drain, group, name, layout, ps)) % 2**32)
     dev, host = _pools(SPECS[name], ps, layout)
     eng = TransferEngine(host, "dma")
-    eng.backend = DMABackend(DMAConfig(kernel_below=0, load_drain=drain, load_group=group))
+    eng.backend = DMABackend(DMAConfig(kernel_below=0, load_drain=drain, load_drain_bytes=0, load_group=group))
     _round_trip_matches_direct(eng, dev, host, layout, ps, "cpu", rng, contiguous=False)
+
+
+@pytest.mark.parametrize("drain_bytes,every", [(0, 1), ("3 layers", 3), ("2.5 layers", 3)])
+def test_a_dma_load_drains_no_sooner_than_load_drain_bytes(drain_bytes, every):
+    """``DMAConfig.load_drain_bytes``: with ``load_drain=1``, a load of 10 layers drains before
+    every layer that follows ``load_drain_bytes`` of the load (counted in whole layers, at its
+    bytes a layer), so small layers drain less often; the real drains, counted, and every byte
+    still where it should be."""
+    from kvtier.transfer.dma import DMABackend, DMAConfig, StagingRing
+    spec = KVSpec("mla", 10, torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64)
+    dev, host = _pools(spec, 1, "layer_first", tokens=4096)
+    layer_bytes = 4096 * spec.bytes_per_token // spec.layer_num
+    nbytes = {0: 0, "3 layers": 3 * layer_bytes, "2.5 layers": 5 * layer_bytes // 2}[drain_bytes]
+    eng = TransferEngine(host, DMABackend(DMAConfig(kernel_below=0, load_drain=1, load_drain_bytes=nbytes,
+                                                    load_group=1)))
+    h, d = torch.arange(4096), torch.randperm(4096)
+    want = [_b(b[d.cuda()]).clone() for b in dev.kv_buffer]
+    eng.backup(h, d).synchronize()
+    for b in dev.kv_buffer:
+        b.view(torch.uint8).zero_()
+    drains = []
+    real = StagingRing.drain
+
+    def counted(ring, *a, **k):
+        drains.append(1)
+        return real(ring, *a, **k)
+    StagingRing.drain = counted
+    try:
+        eng.load(h, d).synchronize()
+    finally:
+        StagingRing.drain = real
+    assert len(drains) == len(range(every, spec.layer_num, every))
+    assert all(torch.equal(_b(b[d.cuda()]), w) for b, w in zip(dev.kv_buffer, want))
+    host.close()
 
 
 def test_a_dma_load_that_drains_lets_a_pinned_input_copy_through():
@@ -177,7 +211,7 @@ def test_a_dma_load_that_drains_lets_a_pinned_input_copy_through():
     ps, tokens = 64, 32768  # 2 GiB per load: tens of ms on any PCIe link
     dev, host = _pools(spec, ps, "layer_first", tokens=tokens)
     eng = TransferEngine(host, "dma")
-    eng.backend = DMABackend(DMAConfig(load_drain=1, load_group=1))
+    eng.backend = DMABackend(DMAConfig(load_drain=1, load_drain_bytes=0, load_group=1))
     h = torch.arange(tokens)
     d = torch.arange(tokens)
     eng.backup(h, d).synchronize()

@@ -93,6 +93,13 @@ class DMAConfig:
     79.6-80.8). An engine that copies its step inputs that way got its 32k
     host hit in 86 ms, not 118 (``probe_copy_priority_h200*.json``,
     ``ttft_h200_*drain*``; runs 37-43).
+    ``load_drain_bytes``: and no sooner than this many bytes of the load (all its parts that
+    go by DMA) after the drain before. What bounds another stream's wait is the bytes queued
+    between drains, not the layers; a drain costs the copy engine 0.02-0.05 ms (run 40), and
+    a layer of an MLA pool (37.7 MB at 32k tokens) is a quarter of an MHA one's (128 MiB), so
+    by layers alone a 61-layer MLA load drained 15 times to MHA's 7. 512 MiB keeps MHA's
+    every 4 layers and drains a 32k MLA load every 15 (4 drains, not 15). 0: every ``load_drain`` layers,
+    whatever their size.
     ``backup_drain``: the same for a backup's device -> host copies, every this
     many staging chunks (an engine reading its sampled tokens while a finished
     request's KV is written back). On an H200, without drains, a small read
@@ -121,6 +128,7 @@ class DMAConfig:
     sort_slots: bool = True
     sort_below: int = 1 * MiB
     load_drain: int = 4
+    load_drain_bytes: int = 512 * MiB
     backup_drain: int = 4
     head_bytes: int = 96 * MiB
 
@@ -137,7 +145,7 @@ class DMAConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"DMAConfig.{name} must be 0 (never drain) or a {unit} count > 0, got {v!r}")
-        for name in ("kernel_below", "sort_below", "head_bytes"):
+        for name in ("kernel_below", "sort_below", "head_bytes", "load_drain_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"DMAConfig.{name} must be a byte count >= 0, got {v!r}")
@@ -401,6 +409,9 @@ class DMABackend(Backend):
         h = on_device(k_h, device) if any(p is None for p in plans) else None
         d_kernel = (on_device(k_d, device) if k_d is not dev_idx else d_of()) if h is not None else None
         blocks = self.fallback._blocks(block_quota)
+        # A load's layers between drains, from the bytes one layer of it moves by DMA.
+        every = drain_every(self.config.load_drain, self.config.load_drain_bytes,
+                            host_idx.numel() * sum(part.item_bytes for part, p in zip(parts, plans) if p is not None))
         joined = [False]  # a load's copy stream joins the caller's stream once per transfer
         if any(isinstance(p, GroupedPlan) for p in plans):
             self.last_groups = [p.group if isinstance(p, GroupedPlan) else 1 for p in plans]
@@ -417,7 +428,7 @@ class DMABackend(Backend):
                 if layer is None:
                     self.run_part(part, p, d_of, None, first=ahead[0][1] if ahead[0] and ahead[0][0] == k else 0)
                 elif n := p.issue_at(layer):  # 0: moved with its group's first layer
-                    self.run_part(part, p.plans[n], d_of, layer, join=not joined[0], n_layers=n)
+                    self.run_part(part, p.plans[n], d_of, layer, join=not joined[0], n_layers=n, drain=every)
                     joined[0] = True
                 used = max(used, self.config.gather_blocks)
             self.last_blocks = used
@@ -439,11 +450,12 @@ class DMABackend(Backend):
         return run
 
     def run_part(self, part: TransferPart, p: DMAPlan | ChunkedPlan, d_of, layer: int | None, join: bool = True,
-                 n_layers: int = 1, first: int = 0, stop: int | None = None) -> None:
+                 n_layers: int = 1, first: int = 0, stop: int | None = None, drain: int | None = None) -> None:
         """Queue one part: all layers (``layer=None``) or layers ``layer .. layer+n_layers-1``.
         A backup may be queued in pieces: chunks ``first`` up to ``stop`` (default: the last).
         ``d_of()``: the device slots, as an int64 tensor on the device (a load asks for them
-        only once its first copies are queued).
+        only once its first copies are queued). ``drain``: a load's layers between drains
+        (:func:`drain_every`; default ``DMAConfig.load_drain``).
 
         Backup: gather on the side stream, copy on the caller's. Load: copies
         on the side stream, scatters on the caller's, so the copy engine runs
@@ -477,7 +489,8 @@ class DMABackend(Backend):
                     self._backup_chunks(ring, cur, part, p, ptrs, d, host_base,
                                         range(first, p.n_chunks if stop is None else stop))
             else:
-                self._load_chunks(ring, cur, part, p, ptrs, d_of, host_base, layer, n_layers)
+                self._load_chunks(ring, cur, part, p, ptrs, d_of, host_base, layer, n_layers,
+                                  self.config.load_drain if drain is None else drain)
 
     def _backup_chunks(self, ring, cur, part, p, ptrs, d, host_base, chunks: range) -> None:
         """Gather each of ``chunks`` on the side stream (current here), then copy it to the host on
@@ -501,12 +514,12 @@ class DMABackend(Backend):
             slot.free.record(cur)
             between_chunks()
 
-    def _load_chunks(self, ring, cur, part, p, ptrs, d_of, host_base, layer, n_layers) -> None:
+    def _load_chunks(self, ring, cur, part, p, ptrs, d_of, host_base, layer, n_layers, drain: int) -> None:
         """Copy each chunk from the host on the side stream, then scatter it on ``cur``. The
         device slots (``d_of()``, on ``cur``) are asked for after the first chunk's copies are
         queued, and before ``cur`` waits for them, so their copy runs beside those copies."""
         wp = d = None
-        if drains_at(layer, n_layers, self.config.load_drain):
+        if drains_at(layer, n_layers, drain):
             ring.drain(self._drain_after)
         for i in range(p.n_chunks):
             j0, m = p.items(i)
@@ -535,6 +548,14 @@ def head_chunks(p, layer_num: int, item_bytes: int, budget: int) -> int:
         total += m * (layer_num if nl is None else nl) * item_bytes
         n += 1
     return n
+
+
+def drain_every(layers: int, min_bytes: int, layer_bytes: int) -> int:
+    """A load's layers between drains: ``layers`` (``DMAConfig.load_drain``; 0: never), or as
+    many more as bring them to ``min_bytes`` (``load_drain_bytes``) at ``layer_bytes`` a layer."""
+    if layers <= 0:
+        return 0
+    return max(layers, -(-min_bytes // max(layer_bytes, 1)))
 
 
 def drains_at(first: int, count: int, every: int) -> bool:
