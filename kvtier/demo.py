@@ -125,7 +125,7 @@ def compare_outputs(outputs: dict) -> tuple[bool, str]:
               show_default=True, help="PNG of TTFT by round per mode ('' for none)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def demo(**o) -> None:
-    """Serve a multi-turn chat workload three ways and compare (CPU, ~1 minute)."""
+    """Serve a multi-turn chat workload three ways and compare (CPU, 1-2 minutes)."""
     from .engine.report import MODE_TITLES, plot, table
 
     modes = tuple(m.strip() for m in o["modes"].split(",") if m.strip())

@@ -137,12 +137,12 @@ def main():
     for ps in (1, 64):
         case = Case("mla", "layer_first", ps, TOKENS, "cuda", None)
         idx = case.indices(False, np.random.default_rng(1))
-        engines = {"drain every 4 layers": TransferEngine(case.host, "dma"),
+        engines = {"default drains": TransferEngine(case.host, "dma"),
                    "no drains": TransferEngine(case.host, DMABackend(DMAConfig(load_drain=0)))}
         for eng in engines.values():
             for _ in range(2):
                 one_load(case, eng, idx, False)
-        eng = engines["drain every 4 layers"]
+        eng = engines["default drains"]
         marked = [one_load(case, eng, idx, True) for _ in range(ROUNDS)]
         # The drains' cost: the default against none, unmarked, in turn.
         plain = in_turn(engines, lambda e: one_load(case, e, idx, False)["gbps"], warmups=0, rounds=ROUNDS)
