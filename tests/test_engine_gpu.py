@@ -47,3 +47,27 @@ def prefix_bytes(e: Engine, prefix: list[int]) -> dict[str, torch.Tensor]:
     slots = e.kv.cache.match_prefix(prefix).device_indices.to("cuda")
     assert len(slots) == len(prefix)
     return {n: t[:, slots].clone() for n, t in e.pool.stacks.items()}
+
+
+def test_a_device_hit_step_copies_nothing_to_the_device_per_layer():
+    """The rotary frequencies reach the device once, not by a blocking copy in every layer of
+    every step (torch synchronizes the stream after a blocking host-to-device copy, so the host
+    could not queue a layer ahead of the device). With inputs read by SMs a step queues fewer
+    host-to-device copies than the model has layers (one per layer before)."""
+    cfg = tiny("llama", hidden_size=256, n_layers=8, n_heads=8, n_kv_heads=2, head_dim=64, intermediate_size=512,
+               vocab_size=1000, dtype=torch.bfloat16)
+    ecfg = EngineConfig(prefix_cache="tiers", device_tokens=8192, host_tokens=16384, page_size=16, device="cuda")
+    e = Engine(make_model(cfg, ecfg, seed=1), ecfg)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 1000, (2048,), generator=g).tolist()
+    e.generate([prefix], 1)
+    prompts = [prefix + torch.randint(0, 1000, (13,), generator=g).tolist() for _ in range(2)]
+    e.generate([prompts[0]], 1)  # warm: kernels, the allocator, the rotary tables
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        seq = e.add_request(prompts[1], 1)
+        e.run_until_done()
+        torch.cuda.synchronize()
+    assert seq.reused_device == 2048
+    h2d = [ev for ev in prof.events() if "HtoD" in ev.name]
+    assert len(h2d) < cfg.n_layers, [ev.name for ev in h2d]

@@ -184,6 +184,21 @@ def test_weight_bytes_counts_what_the_model_holds_and_a_model_too_large_is_refus
         make_model(huge, EngineConfig(device="cpu"))
 
 
+def test_rotary_tables_match_the_formula_and_reach_a_device_once():
+    """cos/sin of positions x inv_freq (rotate-half: each frequency twice), in float64 before
+    rounding; the frequencies are copied to a device once and reused, not at every call."""
+    r = Rotary(8, 10000.0)
+    pos = torch.tensor([0, 1, 5, 4095])
+    cos, sin = r.cos_sin(pos, torch.float32)
+    freq = 1.0 / 10000.0 ** (torch.arange(0, 8, 2, dtype=F64) / 8)
+    ang = pos.to(F64)[:, None] * torch.cat((freq, freq))[None, :]
+    torch.testing.assert_close(cos, ang.cos().float(), rtol=0, atol=0)
+    torch.testing.assert_close(sin, ang.sin().float(), rtol=0, atol=0)
+    first = r._inv_freq_on[pos.device]
+    r.cos_sin(pos[:2], torch.bfloat16)
+    assert r._inv_freq_on[pos.device] is first and len(r._inv_freq_on) == 1
+
+
 def test_causal_mask_offsets():
     m = causal_mask(3, 2, "cpu")
     assert m.tolist() == [[True, True, True, False, False], [True, True, True, True, False], [True] * 5]

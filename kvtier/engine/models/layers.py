@@ -60,10 +60,16 @@ class Rotary(nn.Module):
         super().__init__()
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
         self.inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        # inv_freq on each device it was asked for, copied once. A blocking .to(device) per layer
+        # and step made the host wait for the stream each time (torch synchronizes the stream
+        # after a blocking host-to-device copy), so it could not queue layers ahead of the device.
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tokens, dim)`` cosines and sines for integer ``positions``."""
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self._inv_freq_on.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[positions.device] = self.inv_freq.to(positions.device)
         angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
