@@ -67,6 +67,15 @@ def start(log: JsonLog, nbytes: int = 1 << 30):
     return clock, limits, np.random.default_rng(0)
 
 
+def read_text(path: str) -> str | None:
+    """A system file's text, stripped (None if it cannot be read): /sys, /proc."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def mha_host_bytes(tokens: int) -> int:
     """The host pool of an MHA case of the transfer table (llama-3-8b, 128 KiB a token, twice
     ``tokens`` slots)."""
