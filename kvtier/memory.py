@@ -90,17 +90,20 @@ def host_memory(reserve_bytes: int | None = None) -> HostMemory:
     return HostMemory(min(host, cg_avail), host, cg_avail, limit, reserve, vm.total)
 
 
-def check_host_memory(requested: int, reserve_bytes: int | None, what: str) -> HostMemory:
-    """Raise MemoryError, before anything is allocated, if ``requested`` will not fit."""
+POOL_FIX = (f"Shrink the pool (host_size_tokens, host_size in GB, or host_to_device_ratio) or lower the reserve "
+            f"(reserve_bytes=..., or {RESERVE_ENV}).")
+
+
+def check_host_memory(requested: int, reserve_bytes: int | None, what: str, fix: str = POOL_FIX) -> HostMemory:
+    """Raise MemoryError, before anything is allocated, if ``requested`` will not fit; the
+    message names ``what``, the sizes, and ``fix`` (default: how to shrink a pool)."""
     mem = host_memory(reserve_bytes)
     if requested > mem.available:
         where = "host" if mem.cgroup_available is None or mem.host_available <= mem.cgroup_available else "cgroup"
         raise MemoryError(
             f"{what} needs {requested / GB:.2f} GB of host memory but only "
             f"{mem.available / GB:.2f} GB is available ({where} limit, after keeping "
-            f"{mem.reserve / GB:.2f} GB in reserve). Shrink the pool (host_size_tokens, "
-            f"host_size in GB, or host_to_device_ratio) or lower the reserve "
-            f"(reserve_bytes=..., or {RESERVE_ENV})."
+            f"{mem.reserve / GB:.2f} GB in reserve). {fix}"
         )
     return mem
 

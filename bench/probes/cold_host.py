@@ -38,7 +38,7 @@ import torch
 
 from kvtier.bench.transfer import Case
 from kvtier.transfer import TransferEngine
-from probelib import JsonLog, args, cell, in_turn, start
+from probelib import JsonLog, args, cell, in_turn, read_text, start
 
 PATH, TOKENS = args("/tmp/probe_cold_host.json")
 log = JsonLog(PATH, tokens=TOKENS)
@@ -47,18 +47,12 @@ CASES = [("mla", "page_first", 1, "backup"), ("mla", "page_first", 1, "load"), (
 
 
 def machine() -> dict:
-    def read(p):
-        try:
-            with open(p) as f:
-                return f.read().strip()
-        except OSError:
-            return None
     idle = "/sys/devices/system/cpu/cpu0/cpuidle"
     states = sorted(os.listdir(idle)) if os.path.isdir(idle) else []
     return {"python": platform.python_version(), "cpus": os.cpu_count(),
-            "governor": read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor"),
-            "cur_khz": read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq"),
-            "idle_states": [read(f"{idle}/{s}/name") for s in states],
+            "governor": read_text("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor"),
+            "cur_khz": read_text("/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq"),
+            "idle_states": [read_text(f"{idle}/{s}/name") for s in states],
             "gc_threshold": gc.get_threshold()}
 
 

@@ -32,10 +32,9 @@ import torch
 from kvtier.bench.ttft import MODELS, serve
 from kvtier.engine import Engine, EngineConfig
 from kvtier.engine.engine import make_model
-from probelib import JsonLog
+from probelib import JsonLog, args
 
-PATH = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else "/tmp/probe_device_hit.json"
-PREFIX = int(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else 16384
+PATH, PREFIX = args("/tmp/probe_device_hit.json", 16384)
 # ``--smoke``: the tiny model on the CPU (a check of this script, not a measurement).
 SMOKE = "--smoke" in sys.argv
 NEW, PAGE = 128, 64

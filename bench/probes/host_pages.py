@@ -28,18 +28,10 @@ import numpy as np
 
 from kvtier.bench.transfer import Case, measure
 from kvtier.transfer import TransferEngine
-from probelib import JsonLog, args, six_mha_pools_moved, start
+from probelib import JsonLog, args, read_text, six_mha_pools_moved, start
 
 PATH, TOKENS = args("/tmp/probe_host_pages.json")
 log = JsonLog(PATH, tokens=TOKENS)
-
-
-def read(p: str) -> str | None:
-    try:
-        with open(p) as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def backing(ptr: int) -> dict:
@@ -75,8 +67,8 @@ def timed(name: str, case, clock) -> None:
 
 
 def main():
-    log("thp", {k: read(f"/sys/kernel/mm/transparent_hugepage/{k}") for k in ("enabled", "defrag")}
-        | {"meminfo": [ln for ln in (read("/proc/meminfo") or "").splitlines()
+    log("thp", {k: read_text(f"/sys/kernel/mm/transparent_hugepage/{k}") for k in ("enabled", "defrag")}
+        | {"meminfo": [ln for ln in (read_text("/proc/meminfo") or "").splitlines()
                        if ln.startswith(("MemFree", "AnonHugePages", "HugePages_Total"))]})
     clock, limits, _ = start(log)
     a = Case("mla", "layer_first", 1, TOKENS, "cuda", None)

@@ -7,10 +7,10 @@ import statistics
 import sys
 
 
-def args(default_path: str) -> tuple[str, int]:
+def args(default_path: str, default_tokens: int = 32768) -> tuple[str, int]:
     """``OUT.json [--tokens N]`` from the command line (32,768 tokens by default)."""
     path = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else default_path
-    tokens = int(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else 32768
+    tokens = int(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else default_tokens
     return path, tokens
 
 
@@ -65,6 +65,15 @@ def start(log: JsonLog, nbytes: int = 1 << 30):
     limits = contiguous_limit(nbytes, clock, 5)
     log("limit_gbps", {k: round(v, 2) for k, v in limits.items()})
     return clock, limits, np.random.default_rng(0)
+
+
+def read_text(path: str) -> str | None:
+    """A system file's text, stripped (None if it cannot be read): /sys, /proc."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def mha_host_bytes(tokens: int) -> int:

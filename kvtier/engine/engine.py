@@ -16,7 +16,7 @@ import torch
 
 from ..device_pool import pool_from_spec
 from ..host_pool import host_pool_for
-from ..memory import GB, host_memory
+from ..memory import check_host_memory
 from .checkpoint import load_checkpoint, random_model
 from .config import EngineConfig, ModelConfig
 from .kv_manager import NoPrefixCache, PrefixCache
@@ -66,12 +66,10 @@ def weight_bytes(model_cfg: ModelConfig) -> int:
 def check_weights_fit(model_cfg: ModelConfig) -> None:
     """Raise MemoryError, before anything is allocated, if a model of ``model_cfg`` cannot be held
     in host memory (past that, the kernel's OOM killer ends the process with no message)."""
-    need, mem = weight_bytes(model_cfg), host_memory(reserve_bytes=0)
-    if need > mem.available:
-        raise MemoryError(
-            f"the model's {str(model_cfg.dtype).removeprefix('torch.')} weights need {need / GB:.1f} GB of "
-            f"host memory and {mem.available / GB:.1f} GB is available: run it on a GPU (device='cuda', "
-            f"--device cuda) or take a smaller model (kvtier bench ttft --model tiny)")
+    check_host_memory(weight_bytes(model_cfg), 0,
+                      f"this model (its {str(model_cfg.dtype).removeprefix('torch.')} weights)",
+                      "Run it on a GPU (device='cuda', --device cuda) or take a smaller model "
+                      "(kvtier bench ttft --model tiny).")
 
 
 KV_MANAGERS = {"none": _no_prefix_cache, "gpu": _prefix_cache, "tiers": _prefix_cache}
