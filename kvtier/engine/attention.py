@@ -135,7 +135,7 @@ def sdpa_attention() -> AttendFn:
     rather than relying on ``enable_gqa``, which not every fused kernel and
     torch version supports. The copy is not cheap at long contexts: in a 16k
     device-hit step on an H200, 64 elementwise kernels, two a layer, took 8.9
-    ms of the step's 45.8 ms of device time against attention's 3.9 ms
+    ms of the step's 23 ms of device work against attention's 3.9 ms
     (``bench/results/probe_device_hit_h200.json``).
     """
 
