@@ -23,12 +23,26 @@ drains: 15 in a 61-layer load (7 in MHA's 32), so 0.3-0.75 ms of a 43 ms MLA loa
 MLA page_first loads (32 layers a copy: one drain) lose none of it, and they are the MLA loads
 that meet 0.95x. If so, no drains run 0.007-0.017x faster, and the marked rounds show gaps
 before layers 4, 8, ...
-Usage: python bench/probes/load_layers.py OUT.json [--tokens N]
+Run 75 (`probe_load_layers_h200.json`): no slow round came; 0.55-0.62 ms to the first copy,
+copies at 54.7 GB/s a layer, 0.18 ms idle between them, 0.16 ms of tail.
+
+``--scattered`` (after run 81): MLA and DSA layer_first page-64 loads from scattered host
+pages instead, the rows that swing between processes (MLA 0.841x in run 79, 0.925x in run
+75; DSA by DMA 0.70-0.92x). Each copy call is also stamped with the host's clock when it is
+queued, against the device's clock from an event recorded on an idle stream at the same
+moment: ``lead_ms`` is how far ahead of the copy engine the host queued each layer's copies.
+Predictions: a host-bound load has leads near zero (the engine waits for each layer's copies
+to be queued; idle between copies grows with the host's time in the copy calls); a link-bound one has
+leads growing through the load (the host finishes queueing long before the engine) and idle
+time flat.
+Usage: python bench/probes/load_layers.py OUT.json [--tokens N] [--scattered]
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
+import time
 
 import numpy as np
 import torch
@@ -40,7 +54,10 @@ from kvtier.transfer.dma import DMABackend, DMAConfig
 from probelib import JsonLog, args, cell, in_turn, start, transfer
 
 PATH, TOKENS = args("/tmp/probe_load_layers.json")
-log = JsonLog(PATH, tokens=TOKENS)
+SCATTERED = "--scattered" in sys.argv
+# (kind, page size, scattered host pages)
+CASES = [("mla", 64, True), ("dsa", 64, True)] if SCATTERED else [("mla", 1, False), ("mla", 64, False)]
+log = JsonLog(PATH, tokens=TOKENS, cases=CASES)
 ROUNDS = 10
 
 
@@ -50,16 +67,18 @@ class Marks:
     def __init__(self):
         self.on = False
         self.layer = None
-        self.spans: list[tuple[int, str, torch.cuda.Event, torch.cuda.Event]] = []
+        # (layer, kind, start, end, host seconds when the call began, and when it returned)
+        self.spans: list[tuple[int, str, torch.cuda.Event, torch.cuda.Event, float, float]] = []
 
     def bracket(self, kind: str, stream, fn, *a, **k):
         if not self.on:
             return fn(*a, **k)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        called = time.perf_counter()
         s.record(stream)
         out = fn(*a, **k)
         e.record(stream)
-        self.spans.append((self.layer, kind, s, e))
+        self.spans.append((self.layer, kind, s, e, called, time.perf_counter()))
         return out
 
 
@@ -85,13 +104,22 @@ def install() -> None:
     dma_mod._issue, dma_mod.copy_items, dma_mod.DMABackend._load_chunks = issue, copy_items, load_chunks
 
 
-def one_load(case, eng, idx, marked: bool) -> dict:
+def dma_layer_bytes(case, eng, idx) -> int:
+    """Bytes a layer of this load moves by copies: the parts the DMA backend plans (DSA's
+    index-K pages, under ``kernel_below``, go through the kernel, which is not bracketed)."""
+    h = idx[0].cpu().numpy()
+    return sum(p.item_bytes * h.size for p in case.host.transfer_parts()
+               if eng.backend.plan_part(p, h, False) is not None)
+
+
+def one_load(case, eng, idx, marked: bool, layer_bytes: int = 0) -> dict:
     h, d = idx[0], idx[1]
     torch.cuda.synchronize()
     M.spans.clear()
     M.on = marked
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
+    t0.record()  # the device is idle: t0 runs at about host0 (plus a launch, ~0.01 ms)
+    host0 = time.perf_counter()
     transfer(eng, h, d, False)
     t1.record()
     t1.synchronize()
@@ -100,21 +128,29 @@ def one_load(case, eng, idx, marked: bool) -> dict:
     out = {"gbps": round(case.nbytes / total / 1e6, 2), "total_ms": round(total, 3)}
     if not marked:
         return out
-    ms = [(layer, kind, t0.elapsed_time(s), t0.elapsed_time(e)) for layer, kind, s, e in M.spans]
-    copies = sorted((a, b, layer) for layer, kind, a, b in ms if kind == "copy")
-    scatters = sorted((a, b, layer) for layer, kind, a, b in ms if kind == "scatter")
+    ms = [(layer, kind, t0.elapsed_time(s), t0.elapsed_time(e), (q0 - host0) * 1e3, (q1 - host0) * 1e3)
+          for layer, kind, s, e, q0, q1 in M.spans]
+    copies = sorted((a, b, layer) for layer, kind, a, b, *_ in ms if kind == "copy")
+    scatters = sorted((a, b, layer) for layer, kind, a, b, *_ in ms if kind == "scatter")
+    # How far ahead of the copy engine the host had each copy call queued: its start on the
+    # device less the host's clock when the call returned (both from the load's call). Near
+    # zero or below: the engine was waiting for the host (a batched call submits at its end).
+    leads = [a - q1 for layer, kind, a, b, q0, q1 in ms if kind == "copy"]
     busy = [b - a for a, b, _ in copies]
     idle = [max(0.0, copies[i + 1][0] - copies[i][1]) for i in range(len(copies) - 1)]
     per_layer: dict[int, float] = {}
     for a, b, layer in copies:
         per_layer[layer] = per_layer.get(layer, 0.0) + (b - a)
-    layer_bytes = case.nbytes / len(per_layer)
     out.update({
         "start_ms": round(copies[0][0], 3),
         "copy_ms": round(sum(busy), 3),
         "idle_between_copies_ms": round(sum(idle), 3),
         "tail_ms": round(scatters[-1][1] - copies[-1][1], 3),
         "copies": len(copies),
+        "host_queued_all_ms": round(max(q1 for *_, q1 in ms), 3),
+        "host_in_copy_calls_ms": round(sum(q1 - q0 for _, kind, a, b, q0, q1 in ms if kind == "copy"), 3),
+        "lead_ms": {"min": round(min(leads), 3), "median": round(statistics.median(leads), 3),
+                    "max": round(max(leads), 3), "under_0.05": sum(x < 0.05 for x in leads)},
         "copy_gbps_by_layer": [round(layer_bytes / t / 1e6, 2) for _, t in sorted(per_layer.items())],
         # [layer of the copy after the gap, ms]: drains (DMAConfig.load_drain, every 4 layers,
         # 0.02-0.05 ms each in run 40) show as gaps before layers 4, 8, ...
@@ -124,8 +160,11 @@ def one_load(case, eng, idx, marked: bool) -> dict:
 
 
 def summary(rounds: list[dict]) -> dict:
-    keys = ("gbps", "start_ms", "copy_ms", "idle_between_copies_ms", "tail_ms")
+    keys = ("gbps", "start_ms", "copy_ms", "idle_between_copies_ms", "tail_ms", "host_queued_all_ms",
+            "host_in_copy_calls_ms")
     out = {k: [r[k] for r in rounds] for k in keys}
+    out["lead_ms_median"] = [r["lead_ms"]["median"] for r in rounds]
+    out["copies_with_lead_under_0.05ms"] = [r["lead_ms"]["under_0.05"] for r in rounds]
     rates = [statistics.median(r["copy_gbps_by_layer"]) for r in rounds]
     out["median_layer_copy_gbps"] = [round(x, 2) for x in rates]
     return out
@@ -134,19 +173,20 @@ def summary(rounds: list[dict]) -> dict:
 def main():
     clock, limits, _ = start(log)
     install()
-    for ps in (1, 64):
-        case = Case("mla", "layer_first", ps, TOKENS, "cuda", None)
-        idx = case.indices(False, np.random.default_rng(1))
+    for kind, ps, scattered in CASES:
+        case = Case(kind, "layer_first", ps, TOKENS, "cuda", None)
+        idx = case.indices(scattered, np.random.default_rng(1))
         engines = {"default drains": TransferEngine(case.host, "dma"),
                    "no drains": TransferEngine(case.host, DMABackend(DMAConfig(load_drain=0)))}
         for eng in engines.values():
             for _ in range(2):
                 one_load(case, eng, idx, False)
         eng = engines["default drains"]
-        marked = [one_load(case, eng, idx, True) for _ in range(ROUNDS)]
+        layer_bytes = dma_layer_bytes(case, eng, idx)
+        marked = [one_load(case, eng, idx, True, layer_bytes) for _ in range(ROUNDS)]
         # The drains' cost: the default against none, unmarked, in turn.
         plain = in_turn(engines, lambda e: one_load(case, e, idx, False)["gbps"], warmups=0, rounds=ROUNDS)
-        log(f"mla/layer_first/p{ps}/allocator/load", {
+        log(f"{kind}/layer_first/p{ps}/{'scattered' if scattered else 'allocator'}/load", {
             "limit_gbps": limits["load"], "summary": summary(marked),
             "unmarked": {k: cell(v, limits["load"]) for k, v in plain.items()},
             "slowest": min(marked, key=lambda r: r["gbps"]), "fastest": max(marked, key=lambda r: r["gbps"])})
