@@ -14,7 +14,10 @@ buffer and random places in a 1 GiB pinned host buffer: the copies split into K 
 shares (K = 1, 2, 4), each share queued on its own stream (all after one start event) as
 ``cudaMemcpyBatchAsync`` calls of at most ``PER_CALL`` copies, as the DMA backend queues a
 chunk's copies; the end waits for every stream. At 64 and 128 KiB also both ways at once
-(each way on its own K streams), against the duplex limit. Median of five, after a warm-up.
+(each way on its own K streams), against the duplex limit. And device to host as a
+layer_first backup to scattered pages queues it: one pitched copy per page, 61 rows (layers)
+of 64 or 128 KiB, a layer's stride apart on the host, ``cudaMemcpy2DAsync`` each, the pages
+split over the K streams. Median of five, after a warm-up.
 Predictions: if one engine's rate of copies bounds them, K = 2 runs 64-128 KiB copies up to
 twice as fast, to the link's rate; if the link or the host's memory system does (the IOMMU,
 the host's writes to scattered pages), K changes nothing.
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 from kvtier.transfer import cudart
+from kvtier.transfer.cudart import memcpy2d
 from kvtier.transfer.timing import event_seconds
 from probelib import JsonLog, args
 
@@ -52,6 +56,23 @@ def queue(ways: list[tuple[np.ndarray, np.ndarray, int]], pool: list[torch.cuda.
                 sel = share[j:j + PER_CALL]
                 cudart.memcpy_batch(dst[sel], src[sel], np.full(sel.size, size, dtype=np.uint64), s.cuda_stream)
     for s in pool[: len(ways) * k]:
+        cur.wait_stream(s)
+
+
+def queue_pitched(pages: np.ndarray, width: int, height: int, host_base: int, dev_base: int,
+                  pool: list[torch.cuda.Stream], k: int) -> None:
+    """One pitched copy per page (``height`` rows of ``width`` bytes, ``PAYLOAD // height``
+    apart on the host, packed on the device), the pages in ``k`` contiguous shares, share ``i``
+    on stream ``i`` of ``pool`` after the current stream; then it waits for them all."""
+    cur = torch.cuda.current_stream()
+    stride = 4 * PAYLOAD // height
+    for i, share in enumerate(np.array_split(np.arange(pages.size), k)):
+        s = pool[i]
+        s.wait_stream(cur)
+        for j in share.tolist():
+            memcpy2d(host_base + int(pages[j]) * width, stride, dev_base + j * width * height, width, width, height,
+                     s.cuda_stream)
+    for s in pool[:k]:
         cur.wait_stream(s)
 
 
@@ -91,6 +112,16 @@ def main() -> None:
                 g = len(spec) * PAYLOAD / t / 1e9
                 cells[f"{k} streams"] = {"gbps": round(g, 2), "ratio": round(g / limit[way], 3)}
             log(f"{way}/{size >> 10}KiB", {"copies": n, **cells})
+        if size in (64 << 10, 128 << 10):
+            height = 61
+            n_pages = PAYLOAD // (size * height)
+            pages = rng.permutation(4 * PAYLOAD // height // size)[:n_pages]
+            cells = {}
+            for k in STREAMS:
+                t = event_seconds(lambda: queue_pitched(pages, size, height, host.data_ptr(), dev.data_ptr(), pool, k), 5)
+                g = n_pages * size * height / t / 1e9
+                cells[f"{k} streams"] = {"gbps": round(g, 2), "ratio": round(g / limit["d2h"], 3)}
+            log(f"d2h_pitched/{size >> 10}KiBx{height}", {"copies": int(n_pages), **cells})
 
 
 if __name__ == "__main__":
