@@ -67,6 +67,78 @@ def start(log: JsonLog, nbytes: int = 1 << 30):
     return clock, limits, np.random.default_rng(0)
 
 
+class Pace:
+    """Events around every chunk's copies and every staging kernel (a backup's gathers, a
+    load's scatters) of the ``direction`` being paced, while ``on``."""
+
+    def __init__(self):
+        import torch
+        self._torch = torch
+        self.on = None  # None, or True (backups) / False (loads): the direction paced
+        self.marks: list[tuple[str, int, int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def _bracket(self, stream, what: str, nbytes: int, calls: int, fn):
+        torch = self._torch
+        b, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        b.record(stream)
+        out = fn()
+        e.record(stream)
+        self.marks.append((what, nbytes, calls, b, e))
+        return out
+
+    def wrap(self):
+        """Bracket ``dma._issue`` and ``dma.copy_items`` from now on (in every engine)."""
+        import kvtier.transfer.dma as dma_mod
+        torch = self._torch
+        real_issue, real_copy = dma_mod._issue, dma_mod.copy_items
+
+        def issue(tall, flat, host_base, stg_base, to_host, stream, *a, **k):
+            run = lambda: real_issue(tall, flat, host_base, stg_base, to_host, stream, *a, **k)  # noqa: E731
+            if self.on is None or to_host != self.on:
+                return run()
+            nbytes = (int((tall[:, 2] * tall[:, 3]).sum()) if len(tall) else 0) + (int(flat[:, 2].sum()) if len(flat) else 0)
+            return self._bracket(torch.cuda.ExternalStream(stream), "copy", nbytes, len(tall) + len(flat), run)
+
+        def copy(*a, **k):  # a[10]: to_buf, a backup's gather into staging (else a load's scatter)
+            if self.on is None or a[10] != self.on:
+                return real_copy(*a, **k)
+            return self._bracket(torch.cuda.current_stream(), "staging", 0, 0, lambda: real_copy(*a, **k))
+        dma_mod._issue, dma_mod.copy_items = issue, copy
+
+    def transfer(self, eng, h, d, to_host: bool) -> dict:
+        """One backup (``to_host``) or per-layer load, paced: its total, the host's wait for the
+        call, and per chunk its bytes, calls, staging kernel, copies and the gap before them."""
+        import time
+        torch = self._torch
+        torch.cuda.synchronize()
+        self.marks.clear()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.on = to_host
+        t0.record()
+        called = time.perf_counter()
+        handle = eng.backup(h, d) if to_host else eng.load(h, d)
+        returned_ms = round(1e3 * (time.perf_counter() - called), 3)  # the host's wait for the call
+        handle.wait() if to_host else handle.wait_layer(handle.layer_num - 1)
+        t1.record()
+        t1.synchronize()
+        self.on = None
+        ms = lambda ev: round(t0.elapsed_time(ev), 3)  # noqa: E731
+        copies = [(n, c, ms(b), ms(e)) for kind, n, c, b, e in self.marks if kind == "copy"]
+        kernels = [(ms(b), ms(e)) for kind, _, _, b, e in self.marks if kind == "staging"]
+        chunks, prev = [], None
+        for i, (n, c, b, e) in enumerate(copies):
+            k = kernels[i] if i < len(kernels) else (None, None)
+            chunks.append({"bytes": n, "calls": c, ("gather_ms" if to_host else "scatter_ms"): k, "copy_ms": (b, e),
+                           "copy_gbps": round(n / max(e - b, 1e-6) / 1e6, 2),
+                           "gap_ms": round(b - prev, 3) if prev is not None else None})
+            prev = e
+        total = ms(t1)
+        return {"total_ms": total, "call_returned_ms": returned_ms, "gbps": round(sum(c[0] for c in copies) / total / 1e6, 2),
+                "before_first_copy_ms": copies[0][2], "in_copies_ms": round(sum(e - b for _, _, b, e in copies), 3),
+                "in_gaps_ms": round(sum(c["gap_ms"] for c in chunks[1:]), 3),
+                "after_last_copy_ms": round(total - copies[-1][3], 3), "chunks": chunks}
+
+
 def read_text(path: str) -> str | None:
     """A system file's text, stripped (None if it cannot be read): /sys, /proc."""
     try:
