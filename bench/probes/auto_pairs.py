@@ -25,7 +25,7 @@ from collections import Counter
 
 import torch
 
-from kvtier.bench.transfer import Case, measure, pair, pair_note
+from kvtier.bench.transfer import Case, measure, pair, pair_note, round_order
 from kvtier.transfer import TransferEngine
 from probelib import JsonLog, args, start
 
@@ -61,8 +61,7 @@ def main():
                 measure(case, eng, direction, idx, clock, 3)
         rows = {name: [] for name in engines}
         for rnd in range(ROUNDS):
-            order = list(engines) if rnd % 2 == 0 else list(engines)[::-1]
-            for name in order:
+            for name in round_order(list(engines), rnd):
                 rows[name].append(one_pair(case, engines[name], idx))
         log(f"mha/{layout}/p1/scattered/both", {
             "limit_gbps": limits["duplex"],

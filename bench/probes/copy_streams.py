@@ -32,7 +32,7 @@ import torch
 from kvtier.transfer import cudart
 from kvtier.transfer.cudart import memcpy2d
 from kvtier.transfer.timing import event_seconds
-from probelib import JsonLog, args
+from probelib import JsonLog, args, start
 
 MiB = 1 << 20
 PAYLOAD = 256 * MiB
@@ -82,19 +82,8 @@ def main() -> None:
     pool = [torch.cuda.Stream() for _ in range(2 * max(STREAMS))]
     host = torch.empty(4 * PAYLOAD, dtype=torch.uint8, pin_memory=True)  # room to scatter into
     dev = torch.empty(2 * PAYLOAD, dtype=torch.uint8, device="cuda")      # one half per way
-    d2h = PAYLOAD / event_seconds(lambda: host[:PAYLOAD].copy_(dev[:PAYLOAD], non_blocking=True), 5) / 1e9
-    h2d = PAYLOAD / event_seconds(lambda: dev[:PAYLOAD].copy_(host[:PAYLOAD], non_blocking=True), 5) / 1e9
-
-    def duplex():
-        s = pool[0]
-        s.wait_stream(work)
-        with torch.cuda.stream(s):
-            dev[PAYLOAD:].copy_(host[2 * PAYLOAD:3 * PAYLOAD], non_blocking=True)
-        host[:PAYLOAD].copy_(dev[:PAYLOAD], non_blocking=True)
-        work.wait_stream(s)
-    limit = {"d2h": d2h, "h2d": h2d, "both": 2 * PAYLOAD / event_seconds(duplex, 5) / 1e9}
-    log("limit_gbps", {k: round(v, 2) for k, v in limit.items()})
-    rng = np.random.default_rng(0)
+    _, limits, rng = start(log, PAYLOAD)  # the bench's contiguous limits, on copies of this size
+    limit = {"d2h": limits["backup"], "h2d": limits["load"], "both": limits["duplex"]}
     for size in SIZES:
         n = PAYLOAD // size
         # Two disjoint sets of host places (the backup's and the load's, for both at once).

@@ -98,8 +98,8 @@ class DMAConfig:
     between drains, not the layers; a drain costs the copy engine 0.02-0.05 ms (run 40), and
     a layer of an MLA pool (37.7 MB at 32k tokens) is a quarter of an MHA one's (128 MiB), so
     by layers alone a 61-layer MLA load drained 15 times to MHA's 7. 512 MiB keeps MHA's
-    every 4 layers and drains a 32k MLA load every 15 (4 drains, not 15). 0: every ``load_drain`` layers,
-    whatever their size.
+    every 4 layers and drains a 32k MLA load every 15 (4 drains, not 15). 0: every
+    ``load_drain`` layers, whatever their size.
     ``backup_drain``: the same for a backup's device -> host copies, every this
     many staging chunks (an engine reading its sampled tokens while a finished
     request's KV is written back). On an H200, without drains, a small read
