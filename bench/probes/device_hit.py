@@ -8,6 +8,9 @@ speedup at 16k (6-9x in run 74). This splits one: the engine set up as the bench
 (random bf16 weights, page 64, layer_first host pool, the default io backend), the prefix
 served once, then device hits of other 128-token suffixes:
 - five timed as the bench times them (``serve``: wall clock from the request to its token);
+- (branch sdpa-gqa) five pairs in turn: KV heads read in place by the flash kernel
+  (``enable_gqa``) and repeated as before (run 75: the repeats were 8.9 ms of about 23 ms
+  of device work; prediction: 3-9 ms sooner, the repeats' device time and their launches);
 - one under ``cProfile`` (the host's Python, top 30 by cumulative time);
 - one under ``torch.profiler`` (the 25 ops with the most device time, and the 25 with the
   most host time, each with its count).
@@ -31,7 +34,7 @@ import torch
 from torch.autograd import DeviceType
 
 from kvtier.bench.ttft import MODELS, serve
-from kvtier.engine import Engine, EngineConfig
+from kvtier.engine import Engine, EngineConfig, attention
 from kvtier.engine.engine import make_model
 from probelib import JsonLog, args
 
@@ -62,6 +65,16 @@ def main():
     for _ in range(2):
         hit()  # warm: kernels, allocator
     log("device_hit_ms", [hit() for _ in range(5)])
+    # KV heads read in place by the flash kernel (enable_gqa) against repeated, in turn.
+    real = attention._flash_takes_gqa
+    arms = {"gqa in the kernel": real, "heads repeated": lambda *a: False}
+    rows = {k: [] for k in arms}
+    for _ in range(5):
+        for k, fn in arms.items():
+            attention._flash_takes_gqa = fn
+            rows[k].append(hit())
+    attention._flash_takes_gqa = real
+    log("device_hit_ms_by_attention", rows)
 
     prof = cProfile.Profile()
     prof.enable()

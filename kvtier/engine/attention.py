@@ -15,6 +15,8 @@ uses on CUDA). Tests check that they agree.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -126,32 +128,56 @@ def _lower_right(n_q: int, n_k: int):
     return causal_lower_right(n_q, n_k)
 
 
+@functools.cache
+def _flash_takes_gqa(device_type: str, dtype: torch.dtype, n_heads: int, kv_heads: int, d: int, dv: int,
+                     is_causal: bool) -> bool:
+    """Whether the fused flash kernel runs grouped-query attention itself (``enable_gqa``) for
+    inputs of this kind, so the KV heads need not be repeated. CUDA only (CPU keeps the
+    repeat), asked of torch once per kind of input with a probe of one token; False where
+    torch cannot tell."""
+    if device_type != "cuda" or n_heads == kv_heads:
+        return False
+    try:
+        from torch.backends.cuda import SDPAParams, can_use_flash_attention
+        probe = [torch.empty(1, h, 1, x, dtype=dtype, device="cuda")
+                 for h, x in ((n_heads, d), (kv_heads, d), (kv_heads, dv))]
+        return bool(can_use_flash_attention(SDPAParams(*probe, None, 0.0, is_causal, True)))
+    except (ImportError, TypeError, RuntimeError):
+        return False
+
+
 def sdpa_attention() -> AttendFn:
     """Causal attention through ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels).
 
     A whole-sequence prefill (``q_start == 0``) is plain causal attention; a
     prefill after a cached prefix uses a lower-right-aligned causal bias, so
-    the fused kernels still run. KV heads are repeated for the kernels
-    rather than relying on ``enable_gqa``, which not every fused kernel and
-    torch version supports. The copy is not cheap at long contexts: in a 16k
-    device-hit step on an H200, 64 elementwise kernels, two a layer, took 8.9
-    ms of the step's 23 ms of device work against attention's 3.9 ms
+    the fused kernels still run. Where the flash kernel takes grouped-query
+    attention itself (``enable_gqa``; :func:`_flash_takes_gqa`), KV heads are
+    read as they are; elsewhere they are repeated for the kernels, since not
+    every kernel or torch version takes ``enable_gqa`` (one that does not
+    leaves the call to the math path, which holds every score). The repeat is
+    not cheap at long contexts: in a 16k device-hit step on an H200, 64
+    elementwise kernels, two a layer, took 8.9 ms of the step's 23 ms of
+    device work against attention's 3.9 ms
     (``bench/results/probe_device_hit_h200.json``).
     """
 
     def attend(q, k, v, q_start, scale):
         n_heads = q.shape[1]
+        bias = None if q_start == 0 else _lower_right(q.shape[0], k.shape[0])
+        # A boolean mask (torch without the causal bias) keeps the flash kernel out: repeat.
+        gqa = (q_start == 0 or bias is not None) and _flash_takes_gqa(
+            q.device.type, q.dtype, n_heads, k.shape[1], k.shape[2], v.shape[2], q_start == 0)
+        if not gqa:
+            k, v = _expand_heads(k, n_heads), _expand_heads(v, n_heads)
         # (1, heads, tokens, dim): the fused kernels take 4-D inputs only (3-D falls back to the math path).
-        qt = q.transpose(0, 1)[None]
-        kt = _expand_heads(k, n_heads).transpose(0, 1)[None]
-        vt = _expand_heads(v, n_heads).transpose(0, 1)[None]
+        qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
+        kw = {"enable_gqa": True} if gqa else {}
         if q_start == 0:
-            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, **kw)
         else:
-            mask = _lower_right(q.shape[0], k.shape[0])
-            if mask is None:
-                mask = causal_mask(q.shape[0], q_start, q.device)
-            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+            mask = bias if bias is not None else causal_mask(q.shape[0], q_start, q.device)
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, **kw)
         return out[0].transpose(0, 1)
 
     return attend
