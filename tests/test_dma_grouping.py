@@ -292,7 +292,7 @@ def test_chunked_plan_keeps_its_own_copy_of_the_slots():
                                  {"load_drain": -1}, {"load_drain": True},
                                  {"backup_drain": -1}, {"backup_drain": 2.0}, {"head_bytes": -1},
                                  {"load_drain_bytes": -1}, {"load_drain_bytes": True},
-                                 {"buffers": 1}])
+                                 {"kernel_aside": "yes"}, {"buffers": 1}])
 def test_dma_config_rejects_bad_values_by_name(bad):
     pytest.importorskip("triton")
     from kvtier.transfer.dma import DMAConfig

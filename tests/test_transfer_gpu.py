@@ -552,11 +552,16 @@ def test_pinned_index_tensors_may_be_refilled_once_the_call_returns(backend):
     ref.close()
 
 
+@pytest.mark.parametrize("kernel_aside", [True, False])
 @pytest.mark.parametrize("idx_device", ["cpu", "cuda"])
-def test_dma_sends_parts_with_short_copies_through_the_kernel(idx_device):
+def test_dma_sends_parts_with_short_copies_through_the_kernel(idx_device, kernel_aside):
     """DSA at page 16, scattered host pages: the K/V part's copies are long enough for the copy
-    engine, the index-K part's are not; one transfer mixes both paths and moves every byte."""
+    engine, the index-K part's are not; one transfer mixes both paths and moves every byte.
+    The load is queued while the backup may still run: with ``kernel_aside`` the index-K part
+    runs on a stream of its own, and the backup's handle (which the load is ordered after)
+    must still cover it."""
     from kvtier.transfer.dma import DMABackend, DMAConfig
+    from kvtier.transfer.dma_plan import Runs
     spec = SPECS["dsa"]
     ps = 16
     dev, host = _pools(spec, ps, "layer_first", tokens=1024)
@@ -565,22 +570,28 @@ def test_dma_sends_parts_with_short_copies_through_the_kernel(idx_device):
     h = _pages(rng, host.page_num, 40, ps)
     d = _pages(rng, dev.size // ps // 2, 40, ps)
     probe = DMABackend(DMAConfig(kernel_below=0))
-    sizes = {p.name: probe.plan_part(p, h.numpy(), True).mean_copy for p in host.transfer_parts()}
+    parts = host.transfer_parts()
+    slots, runs, _ = probe.in_host_order(parts, h.numpy(), Runs.of(h.numpy()))  # the slots the engine plans
+    sizes = {p.name: probe.plan_part(p, slots, True, runs=runs).mean_copy for p in parts}
     assert len(set(sizes.values())) == 2, sizes
     eng = TransferEngine(host, "dma")
-    eng.backend = DMABackend(DMAConfig(kernel_below=int(np.sqrt(np.prod(list(sizes.values()))))))
+    eng.backend = DMABackend(DMAConfig(kernel_below=int(np.sqrt(np.prod(list(sizes.values())))),
+                                       kernel_aside=kernel_aside))
     for hp in (host, ref):
         for c in hp.component_tensors:
             hp.raw_bytes(c).fill_(0xA5)
     ref.backup_from_device_all_layer(dev, h, d, "direct")
-    eng.backup(h.to(idx_device), d.to(idx_device)).synchronize()
-    for c in host.component_tensors:
-        assert torch.equal(host.raw_bytes(c), ref.raw_bytes(c)), c
+    backup = eng.backup(h.to(idx_device), d.to(idx_device))
     d2 = d + dev.size // 2
     ld = eng.load(h.to(idx_device), d2.to(idx_device))
     ld.synchronize()
+    backup.synchronize()
+    for c in host.component_tensors:
+        assert torch.equal(host.raw_bytes(c), ref.raw_bytes(c)), c
     for k, st in dev.stacks.items():
         assert torch.equal(_b(st[:, d2.cuda()]), _b(st[:, d.cuda()])), k
+    ring = eng.backend.ring(torch.device("cuda", torch.cuda.current_device()), True)
+    assert (ring.aside is not None) == kernel_aside
     host.close()
     ref.close()
 

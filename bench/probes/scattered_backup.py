@@ -25,6 +25,28 @@ by events: the copies' own GB/s and the gaps between chunks).
 Predictions: if the copies are the limit, ``copies`` runs as ``engine`` (0.75-0.84x) and below
 run 82's copies in a 1 GiB buffer (the pool spreads pages over 4.6-8.6 GB); if the engine,
 ``copies`` runs near 0.9x and the paced chunks show gaps or slow copies beside the gathers.
+Run 83 (``probe_scattered_backup_h200_run83.json``): the engine. Its own copies, queued ahead
+in address order, ran at 0.879x (MLA), 0.921x (MHA), 0.870x (DSA); shuffled, or queued as
+the host issued them, at 0.943-0.964x; the engine at 0.745x, 0.852x, 0.702x. Paced, its chunks
+copied at the address-order rate (MLA 47.2, MHA 50.2 GB/s), 2.3-2.6 ms passed before the first
+copy, and DSA's index-K part (through the kernel) ran 13.5 ms after the last copy, on the
+copies' stream.
+Run 84 (``_run84.json``), with two changes: the engine's backup chunks' pitched copies in a
+shuffled order (``engine``) against address order: 0.859x against 0.879x (MHA), 0.775x against
+0.787x (DSA): shuffling does nothing inside the engine, and was taken back. DSA's index-K part
+beside the copies (``DMAConfig.kernel_aside``) against on their stream: 0.775x against 0.757x,
+kept; paced, the copies ran at 11-13 GB/s while that kernel ran beside them.
+So the engine's copies run slower than the same copies alone (MHA 50.6 GB/s a chunk against
+53.2), and no order explains it. Since run 84 the engine is timed with its staging kernels
+(gathers) on 16 and on 132 SMs, with 512 MiB staging and with no drains, and the paced
+backup logs every gather's span: if the gathers beside the copies slow them, gentler ones
+(16 SMs) cost the copies less, or fewer gathers (512 MiB chunks).
+Run 85 (``probe_scattered_backup_h200.json``): none of them. Engine 0.740x (MLA), 0.840x
+(MHA), 0.738x (DSA); gathers on 16 SMs 0.733/0.823/0.732x, on 132 0.746/0.827/0.746x, 512 MiB
+staging 0.776/0.839/0.721x, no drains 0.720/0.835/0.728x; DSA's kernel parts in line 0.684x.
+A gather (0.27 ms) overlaps a tenth of each chunk's copy (2.7-2.9 ms). The copies alone as in
+run 83. So what slows the engine's copies is still unknown: not the gathers' SMs, the chunk
+size, the drains or the order of a chunk's copies.
 Usage: python bench/probes/scattered_backup.py OUT.json [--tokens N]
 """
 
@@ -36,6 +58,7 @@ import torch
 import kvtier.transfer.dma as dma_mod
 from kvtier.bench.transfer import Case, measure
 from kvtier.transfer import TransferEngine
+from kvtier.transfer.dma import DMABackend, DMAConfig
 from kvtier.transfer.dma_plan import Runs
 from probelib import JsonLog, Pace, args, cell, in_turn, start
 
@@ -100,10 +123,15 @@ def main() -> None:
                  "pitched rows": sorted({int(r) for t in tall for r in t[:, 3]})[:4]}
         log(f"{kind}/plan", shape)
         shuffle = np.random.default_rng(1)
-        arms = {"engine": lambda: measure(case, eng, "backup", idx, clock, 1),
-                "copies": lambda: copies_alone(calls, stg, copied, True),
-                "copies, host on the clock": lambda: copies_alone(calls, stg, copied, False),
-                "copies, shuffled": lambda: copies_alone(calls, stg, copied, True, shuffle)}
+        off = {"gathers on 16 SMs": DMAConfig(gather_blocks=16), "gathers on 132 SMs": DMAConfig(gather_blocks=132),
+               "512 MiB staging": DMAConfig(staging_bytes=512 << 20), "no drains": DMAConfig(backup_drain=0)}
+        if kind == "dsa":
+            off["engine, kernel parts in line"] = DMAConfig(kernel_aside=False)
+        engines = {"engine": eng} | {k: TransferEngine(case.host, DMABackend(c)) for k, c in off.items()}
+        arms = {name: (lambda e=e: measure(case, e, "backup", idx, clock, 1)) for name, e in engines.items()}
+        arms |= {"copies": lambda: copies_alone(calls, stg, copied, True),
+                 "copies, host on the clock": lambda: copies_alone(calls, stg, copied, False),
+                 "copies, shuffled": lambda: copies_alone(calls, stg, copied, True, shuffle)}
         times = in_turn(arms, lambda fn: fn())
         log(f"{kind}/layer_first/p64/scattered/backup", {k: cell(g, limits["backup"]) for k, g in times.items()})
         paced = [pace.transfer(eng, idx[0], idx[1], True) for _ in range(3)]
@@ -111,9 +139,11 @@ def main() -> None:
         gbps = [c["copy_gbps"] for c in best["chunks"]]
         log(f"{kind}/paced", {k: v for k, v in best.items() if k != "chunks"}
             | {"chunk_copy_gbps_median": float(np.median(gbps)), "chunk_copy_gbps": gbps,
-               "chunk_gaps_ms": [c["gap_ms"] for c in best["chunks"]]})
+               "chunk_gaps_ms": [c["gap_ms"] for c in best["chunks"]],
+               "chunk_copy_ms": [c["copy_ms"] for c in best["chunks"]],
+               "gathers_ms": [c["gather_ms"] for c in best["chunks"]]})
         case.host.close()
-        del case, eng, stg, calls
+        del case, eng, engines, arms, stg, calls
         torch.cuda.empty_cache()
 
 

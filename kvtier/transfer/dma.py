@@ -116,6 +116,13 @@ class DMAConfig:
     0.2 ms of copying) the copy engine then waited 0.9-1.1 ms for the thread's
     first chunk (H200 run 53). 96 MiB is the first four chunks of the ramp
     (about 2 ms of copying).
+    ``kernel_aside``: a backup's parts that go through the zero-copy kernel (DSA's index-K
+    pages at scattered page-64 slots) run on a stream of their own beside the other parts'
+    copies, not on the copies' stream after them: a 32k DSA layer_first page-64 backup to
+    scattered pages ran the index-K part 13.5 ms after its last copy (79.8 ms in all, H200 run
+    83); beside them, 75.9 ms, and 0.775x against 0.757x in turn (run 84,
+    ``probe_scattered_backup_h200_run84.json``). The kernel's 8 KiB rows then hold the copy
+    engine to 11-13 GB/s while it runs.
     """
 
     staging_bytes: int = 128 * MiB
@@ -131,12 +138,14 @@ class DMAConfig:
     load_drain_bytes: int = 512 * MiB
     backup_drain: int = 4
     head_bytes: int = 96 * MiB
+    kernel_aside: bool = True
 
     def __post_init__(self) -> None:
         for name in ("staging_bytes", "buffers", "gather_blocks", "batch_min"):
             require_positive_int(f"DMAConfig.{name}", getattr(self, name))
-        if not isinstance(self.sort_slots, bool):
-            raise ValueError(f"DMAConfig.sort_slots must be True or False, got {self.sort_slots!r}")
+        for name in ("sort_slots", "kernel_aside"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"DMAConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.buffers < 2:
             raise ValueError(f"DMAConfig.buffers must be >= 2 so copies and kernels overlap, got {self.buffers}")
         if isinstance(self.load_group, bool) or not isinstance(self.load_group, int) or self.load_group < 0:
@@ -168,6 +177,7 @@ class StagingRing:
         self.config = config
         self.priority = priority
         self._tick = None  # (stream, flag, event) for drains on the copy (DMAConfig.load_drain)
+        self.aside = None  # a backup's zero-copy parts, beside its copies (DMAConfig.kernel_aside)
         streams.register(self)
         self.side = streams.fresh(device, priority)
         self.slots = [_Slot() for _ in range(config.buffers)]
@@ -175,7 +185,14 @@ class StagingRing:
         self.lock = threading.Lock()
 
     def kvtier_streams(self):
-        return (getattr(self, "side", None), self._tick and self._tick[0])
+        return (getattr(self, "side", None), self._tick and self._tick[0], getattr(self, "aside", None))
+
+    def aside_stream(self, *others: torch.cuda.Stream) -> torch.cuda.Stream:
+        """The stream a backup's zero-copy parts run on, apart from the side stream and ``others``."""
+        if self.aside is None:
+            self.aside = streams.fresh(self.device, self.priority, (self.side,) + others)
+        self.aside = streams.apart(self.aside, self.device, self.priority, self.side, *others)
+        return self.aside
 
     def drain(self, after: str = "copy", copies=None) -> None:
         """Make the stream of this ring's copies wait before its next copy, so its queue runs
@@ -418,20 +435,51 @@ class DMABackend(Backend):
         # A backup's first chunks queued ahead by ``head``: (part index, chunks), so ``run``
         # skips them.
         ahead = [None]
+        # A backup's zero-copy parts, where others go by DMA, run beside those parts' copies
+        # (DMAConfig.kernel_aside): queued once, by head() or run(None), on a stream of their
+        # own; the caller's stream waits for it once the DMA parts are queued (or queueing failed).
+        aside = [] if self.config.kernel_aside and h is not None and any(p is not None for p in plans) else None
+
+        def queue_aside() -> None:
+            if aside is None or aside:
+                return
+            cur = torch.cuda.current_stream(device)
+            ks = self.ring(device, True).aside_stream(cur)
+            ks.wait_stream(cur)
+            for t in (h, d_kernel):
+                t.record_stream(ks)
+            used = 0
+            with torch.cuda.stream(ks):
+                for part, p in zip(parts, plans):
+                    if p is None:
+                        used = max(used, self.fallback.copy_part(part, h, d_kernel, None, blocks))
+            aside.extend((ks, used))
+
+        def join_aside() -> None:
+            if aside:
+                torch.cuda.current_stream(device).wait_stream(aside[0])
 
         def run(layer):
-            used = 0
-            for k, (part, p) in enumerate(zip(parts, plans)):
-                if p is None:
-                    used = max(used, self.fallback.copy_part(part, h, d_kernel, layer, blocks))
-                    continue
-                if layer is None:
-                    self.run_part(part, p, d_of, None, first=ahead[0][1] if ahead[0] and ahead[0][0] == k else 0)
-                elif n := p.issue_at(layer):  # 0: moved with its group's first layer
-                    self.run_part(part, p.plans[n], d_of, layer, join=not joined[0], n_layers=n, drain=every)
-                    joined[0] = True
-                used = max(used, self.config.gather_blocks)
-            self.last_blocks = used
+            beside = aside is not None and layer is None
+            try:
+                if beside:
+                    queue_aside()
+                used = aside[1] if beside else 0
+                for k, (part, p) in enumerate(zip(parts, plans)):
+                    if p is None:
+                        if not beside:
+                            used = max(used, self.fallback.copy_part(part, h, d_kernel, layer, blocks))
+                        continue
+                    if layer is None:
+                        self.run_part(part, p, d_of, None, first=ahead[0][1] if ahead[0] and ahead[0][0] == k else 0)
+                    elif n := p.issue_at(layer):  # 0: moved with its group's first layer
+                        self.run_part(part, p.plans[n], d_of, layer, join=not joined[0], n_layers=n, drain=every)
+                        joined[0] = True
+                    used = max(used, self.config.gather_blocks)
+                self.last_blocks = used
+            finally:
+                if beside:
+                    join_aside()
 
         def head() -> None:
             """Queue a backup's first chunks now, up to ``DMAConfig.head_bytes`` (at least one);
@@ -439,13 +487,19 @@ class DMABackend(Backend):
             the copy engine starts without waiting for the hand-off to its background thread,
             and has the ramp's chunks to copy while that thread starts: with the first chunk
             alone (8 MiB) it went idle 0.9-1.1 ms before the second (H200 run 53, 2.4% of a
-            32k MLA backup, ``probe_backup_pace_h200_run53.json``)."""
-            for k, (part, p) in enumerate(zip(parts, plans)):
-                if p is not None and not isinstance(p, GroupedPlan) and p.n_chunks and ahead[0] is None:
-                    stop = head_chunks(p, part.layer_num, part.item_bytes, self.config.head_bytes)
-                    self.run_part(part, p, d_of, None, stop=stop)
-                    ahead[0] = (k, stop)
-                    return
+            32k MLA backup, ``probe_backup_pace_h200_run53.json``). Zero-copy parts beside
+            the copies start here too."""
+            try:
+                queue_aside()
+                for k, (part, p) in enumerate(zip(parts, plans)):
+                    if p is not None and not isinstance(p, GroupedPlan) and p.n_chunks and ahead[0] is None:
+                        stop = head_chunks(p, part.layer_num, part.item_bytes, self.config.head_bytes)
+                        self.run_part(part, p, d_of, None, stop=stop)
+                        ahead[0] = (k, stop)
+                        return
+            except BaseException:
+                join_aside()  # run(None), which would, is not called after a failed head
+                raise
         run.head = head
         return run
 
