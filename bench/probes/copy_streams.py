@@ -21,6 +21,11 @@ split over the K streams. Median of five, after a warm-up.
 Predictions: if one engine's rate of copies bounds them, K = 2 runs 64-128 KiB copies up to
 twice as fast, to the link's rate; if the link or the host's memory system does (the IOMMU,
 the host's writes to scattered pages), K changes nothing.
+Run 82 (``probe_copy_streams_h200.json``): more streams change nothing (within 0.01x from 64
+KiB; host-to-device 16 KiB copies slower, 0.54x, 0.47x, 0.35x for 1, 2, 4). But one stream's
+rates are far above run 17's: 64 KiB 0.878x device to host, 0.913x host to device (run 17:
+0.548x, 0.556x), 128 KiB 0.912x / 0.941x; pitched 61 rows of 64 KiB 0.897x, of 128 KiB 0.946x.
+Run 17 queued all 16,384 copies in one batched call, this probe 512 per call, as the backend.
 Usage: python bench/probes/copy_streams.py OUT.json
 """
 

@@ -35,6 +35,10 @@ Predictions: a host-bound load has leads near zero (the engine waits for each la
 to be queued; idle between copies grows with the host's time in the copy calls); a link-bound one has
 leads growing through the load (the host finishes queueing long before the engine) and idle
 time flat.
+Run 82 (``probe_load_layers_scattered_h200.json``): link-bound. The host queued each layer's
+copies a median of 8.6-11.9 ms (MLA) and 17.3-17.8 ms (DSA) ahead; only the first two copies
+had leads under 0.05 ms. 1.9-2.7 ms before the first copy; MLA's layers copied at 52.5 GB/s
+for seven rounds and 54.6 for three, DSA's at 47.3; unmarked 0.933x (MLA) and 0.909x (DSA).
 Usage: python bench/probes/load_layers.py OUT.json [--tokens N] [--scattered]
 """
 
