@@ -17,12 +17,17 @@ launches, 0.11 ms each), ``torch.cuda.current_stream`` 0.18 ms over 9 calls (20 
 stream context managers), ``Event.record`` 0.01 ms each, the conflict check 0.07 ms, the index
 check 0.08 ms. The load: 4.9 ms in the call, 19 gather/scatter launches at 0.09 ms each.
 In the call every step costs 5-10x its time alone, and a Triton launch 0.1-0.2 ms.
-Usage: python bench/probes/host_steps.py OUT.json [--tokens N]
+``--scattered`` (after run 87, not yet run): MLA layer_first page-64 backups and loads to
+scattered host pages instead, with the host-order sort (``HostOrder.of``) and each chunk's
+planning (``ChunkedPlan.calls``) wrapped too: their first copy came 1.9-2.9 ms after the call
+and a backup's call returned after 3.8-4.3 ms (runs 82-85), 4-6% of the transfer.
+Usage: python bench/probes/host_steps.py OUT.json [--tokens N] [--scattered]
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -40,6 +45,10 @@ from kvtier.transfer import TransferEngine
 from probelib import JsonLog, args
 
 PATH, TOKENS = args("/tmp/probe_host_steps.json")
+SCATTERED = "--scattered" in sys.argv
+# (kind, layout, page size, direction)
+CASES = ([("mla", "layer_first", 64, "backup"), ("mla", "layer_first", 64, "load")] if SCATTERED else
+         [("mla", "page_first", 1, "backup"), ("mla", "page_first", 1, "load"), ("mha", "layer_first", 1, "backup")])
 log = JsonLog(PATH, tokens=TOKENS)
 ON = [False]
 SUMS: dict[str, float] = defaultdict(float)
@@ -77,6 +86,8 @@ def install() -> None:
                       (kernel_mod, "fetch_index"), (tk_mod, "_copy_words"), (streams_mod, "apart")):
         wrap(mod, name)
     wrap(plan_mod.Runs, "of", "Runs.of", static=True)
+    wrap(plan_mod.HostOrder, "of", "HostOrder.of", static=True)
+    wrap(plan_mod.ChunkedPlan, "calls", "ChunkedPlan.calls")
     wrap(host_pool_mod, "_numpy")
     for name in ("is_pinned", "pin_memory", "record_stream"):
         wrap(torch.Tensor, name, f"Tensor.{name}")
@@ -107,16 +118,15 @@ def main():
     install()
     import numpy as np
     rng = np.random.default_rng(0)
-    for kind, layout, what in (("mla", "page_first", "backup"), ("mla", "page_first", "load"),
-                               ("mha", "layer_first", "backup")):
-        case = Case(kind, layout, 1, TOKENS, "cuda", None)
-        h, d = case.indices(False, rng)[:2]
+    for kind, layout, ps, what in CASES:
+        case = Case(kind, layout, ps, TOKENS, "cuda", None)
+        h, d = case.indices(SCATTERED, rng)[:2]
         eng = TransferEngine(case.host, "dma")
         for _ in range(2):
             call(eng, h, d, what)
         runs = [call(eng, h, d, what) for _ in range(7)]
         keys = sorted({k for r, _ in runs for k in r}, key=lambda k: -statistics.median(r.get(k, 0) for r, _ in runs))
-        log(f"{kind}/{layout}/p1/allocator/{what}",
+        log(f"{kind}/{layout}/p{ps}/{'scattered' if SCATTERED else 'allocator'}/{what}",
             {k: {"ms": round(statistics.median(r.get(k, 0.0) for r, _ in runs), 4),
                  "calls": runs[-1][1].get(k, 1)} for k in keys})
         case.host.close()
