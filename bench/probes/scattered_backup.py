@@ -51,10 +51,12 @@ Since run 85 (not yet run) ``copies`` grows toward the engine one trait at a tim
 ``chunk waits`` (each chunk's copies wait for an event from a second stream, as for their
 gather), ``3 buffers`` (chunks read three staging buffers in turn, each reused once the
 copies that last read it are done), ``mini engine`` (and a kernel on the second stream
-rewrites each buffer before its copies, as a gather does), and that shuffled. Prediction: the
-first arm that drops from about 0.88-0.92x (``copies``) to the engine's rate names what
-slows the engine; if none does, the cause is outside this pipeline (the host's two threads,
-the gather's own reads of the device pool).
+rewrites each buffer before its copies, as a gather does), and that shuffled; and the
+engine with every chunk queued in the caller's thread (``engine, queued inline``: no
+background thread). Prediction: the first arm that drops from about 0.88-0.92x (``copies``)
+to the engine's rate names what slows the engine; if none does, the cause is outside this
+pipeline (the host's threads, unless ``queued inline`` recovers it; else the gathers' own
+reads of the device pool).
 Usage: python bench/probes/scattered_backup.py OUT.json [--tokens N]
 """
 
@@ -157,7 +159,9 @@ def main() -> None:
         # Run 85's engine settings (gathers on 16 or 132 SMs, 512 MiB staging, no drains) and
         # DSA's kernel parts in line moved nothing beyond what the docstring gives: not timed again.
         one = stg[:1]
+        inline = TransferEngine(case.host, "dma", background_backups=False)
         arms = {"engine": lambda: measure(case, eng, "backup", idx, clock, 1),
+                "engine, queued inline": lambda: measure(case, inline, "backup", idx, clock, 1),
                 "copies": lambda: copies_alone(calls, one, copied, True),
                  "copies, host on the clock": lambda: copies_alone(calls, one, copied, False),
                  "copies, shuffled": lambda: copies_alone(calls, one, copied, True, shuffle),
@@ -176,7 +180,7 @@ def main() -> None:
                "chunk_copy_ms": [c["copy_ms"] for c in best["chunks"]],
                "gathers_ms": [c["gather_ms"] for c in best["chunks"]]})
         case.host.close()
-        del case, eng, arms, stg, one, calls
+        del case, eng, inline, arms, stg, one, calls
         torch.cuda.empty_cache()
 
 
