@@ -15,7 +15,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,pcie.link.gen.current,pcie.link.width.current --format=csv > "$OUT/gpu_tests.log"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu_tests.log"
 
-timeout "${TEST_S:-150}" python -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -p no:warnings ${TESTS:-} >> "$OUT/gpu_tests.log" 2>&1
+# TESTS: test files (split into words); TESTS_K: a -k expression, kept whole (in TESTS its
+# spaces split it: run 85 ran no test).
+timeout "${TEST_S:-150}" python -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -p no:warnings ${TESTS:-} \
+  ${TESTS_K:+-k "$TESTS_K"} >> "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
 
 # 32,768 tokens per transfer (4 GiB for the Llama-3-8B shape), as in shared/ANCHORS.md.
