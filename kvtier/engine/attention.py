@@ -159,7 +159,9 @@ def sdpa_attention() -> AttendFn:
     not cheap at long contexts: in a 16k device-hit step on an H200, 64
     elementwise kernels, two a layer, took 8.9 ms of the step's 23 ms of
     device work against attention's 3.9 ms
-    (``bench/results/probe_device_hit_h200.json``).
+    (``bench/results/probe_device_hit_h200_run75.json``); with the heads read
+    in place the step's device work was 14.2 ms (run 82,
+    ``probe_device_hit_h200.json``).
     """
 
     def attend(q, k, v, q_start, scale):
