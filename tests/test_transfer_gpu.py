@@ -154,6 +154,34 @@ def test_layer_chunked_backups_match_direct(name, ps, contiguous, drain):
     _round_trip_matches_direct(eng, dev, host, "layer_first", ps, "cpu", rng, contiguous=contiguous)
 
 
+@pytest.mark.parametrize("name", ["mha_odd", "mla_fp8_656", "dsa"])
+@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("drain", [0, 1])
+@pytest.mark.parametrize("idx_device", ["cpu", "cuda"])
+def test_backups_straight_from_the_pool_match_direct(name, ps, contiguous, drain, idx_device):
+    """layer_first backups copied straight from the device pool (``DMAConfig.pool_rows``: no
+    staging, no gather), in several chunks, the first in the caller's thread and the rest in
+    the engine's, with drains every chunk or none: every byte where the direct backend puts it,
+    and the load back (through staging) too."""
+    from kvtier.transfer.dma import DMABackend, DMAConfig
+    from kvtier.transfer.dma_plan import PoolPlan
+    spec = SPECS[name]
+    rng = np.random.default_rng(hash((name, ps, contiguous, drain, idx_device)) % 2**32)
+    dev, host = _pools(spec, ps, "layer_first")
+    n_slots = 96 if ps > 1 else 77
+    widest = max(p.item_bytes for p in host.transfer_parts())
+    eng = TransferEngine(host, "dma")
+    eng.backend = DMABackend(DMAConfig(staging_bytes=16 * spec.layer_num * widest, kernel_below=0, backup_drain=drain,
+                                       pool_rows=1, head_bytes=1))
+    d = _pages(np.random.default_rng(1), dev.size // ps, n_slots // ps, ps).numpy()  # DSA moves whole pages
+    plans = [eng.backend.plan_part(p, np.arange(n_slots), True, dev_np=d) for p in host.transfer_parts()]
+    assert all(isinstance(p, PoolPlan) for p in plans) and min(p.n_chunks for p in plans) > 2
+    eng.backup(torch.arange(n_slots), torch.from_numpy(d)).synchronize()
+    assert eng.backend.last_blocks == 0  # no gathers: no SMs
+    _round_trip_matches_direct(eng, dev, host, "layer_first", ps, idx_device, rng, contiguous=contiguous)
+
+
 @pytest.mark.parametrize("drain,group", [(1, 1), (2, 1), (3, 2), (1, 0)])
 @pytest.mark.parametrize("name,layout,ps", [("mha_odd", "layer_first", 16), ("mla_fp8_656", "page_first", 1),
                                             ("dsa", "layer_first", 16)])
@@ -552,16 +580,17 @@ def test_pinned_index_tensors_may_be_refilled_once_the_call_returns(backend):
     ref.close()
 
 
+@pytest.mark.parametrize("pool", [False, True])
 @pytest.mark.parametrize("kernel_aside", [True, False])
 @pytest.mark.parametrize("idx_device", ["cpu", "cuda"])
-def test_dma_sends_parts_with_short_copies_through_the_kernel(idx_device, kernel_aside):
+def test_dma_sends_parts_with_short_copies_through_the_kernel(idx_device, kernel_aside, pool):
     """DSA at page 16, scattered host pages: the K/V part's copies are long enough for the copy
     engine, the index-K part's are not; one transfer mixes both paths and moves every byte.
     The load is queued while the backup may still run: with ``kernel_aside`` the index-K part
     runs on a stream of its own, and the backup's handle (which the load is ordered after)
-    must still cover it."""
+    must still cover it. With ``pool`` the K/V part copies straight from the device pool."""
     from kvtier.transfer.dma import DMABackend, DMAConfig
-    from kvtier.transfer.dma_plan import Runs
+    from kvtier.transfer.dma_plan import PoolPlan, Runs, pool_row_bytes
     spec = SPECS["dsa"]
     ps = 16
     dev, host = _pools(spec, ps, "layer_first", tokens=1024)
@@ -571,12 +600,16 @@ def test_dma_sends_parts_with_short_copies_through_the_kernel(idx_device, kernel
     d = _pages(rng, dev.size // ps // 2, 40, ps)
     probe = DMABackend(DMAConfig(kernel_below=0))
     parts = host.transfer_parts()
-    slots, runs, _ = probe.in_host_order(parts, h.numpy(), Runs.of(h.numpy()))  # the slots the engine plans
+    slots, runs, order = probe.in_host_order(parts, h.numpy(), Runs.of(h.numpy()))  # the slots the engine plans
     sizes = {p.name: probe.plan_part(p, slots, True, runs=runs).mean_copy for p in parts}
     assert len(set(sizes.values())) == 2, sizes
+    rows = {p.name: pool_row_bytes(p.host, slots, d.numpy()[order]) for p in parts}
     eng = TransferEngine(host, "dma")
     eng.backend = DMABackend(DMAConfig(kernel_below=int(np.sqrt(np.prod(list(sizes.values())))),
-                                       kernel_aside=kernel_aside))
+                                       kernel_aside=kernel_aside, pool_rows=int(max(rows.values())) if pool else 0))
+    plans = eng.backend.plan_parts(parts, slots, runs, order, True, dev_np=d.numpy())
+    assert [type(p).__name__ for p in plans].count("NoneType") == 1
+    assert any(isinstance(p, PoolPlan) for p in plans) == pool
     for hp in (host, ref):
         for c in hp.component_tensors:
             hp.raw_bytes(c).fill_(0xA5)

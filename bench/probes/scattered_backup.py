@@ -41,7 +41,7 @@ So the engine's copies run slower than the same copies alone (MHA 50.6 GB/s a ch
 (gathers) on 16 and on 132 SMs, with 512 MiB staging and with no drains, and the paced
 backup logs every gather's span: if the gathers beside the copies slow them, gentler ones
 (16 SMs) cost the copies less, or fewer gathers (512 MiB chunks).
-Run 85 (``probe_scattered_backup_h200.json``): none of them. Engine 0.740x (MLA), 0.840x
+Run 85 (``_run85.json``): none of them. Engine 0.740x (MLA), 0.840x
 (MHA), 0.738x (DSA); gathers on 16 SMs 0.733/0.823/0.732x, on 132 0.746/0.827/0.746x, 512 MiB
 staging 0.776/0.839/0.721x, no drains 0.720/0.835/0.728x; DSA's kernel parts in line 0.684x.
 A gather (0.27 ms) overlaps a tenth of each chunk's copy (2.7-2.9 ms). The copies alone as in
@@ -57,6 +57,34 @@ background thread). Prediction: the first arm that drops from about 0.88-0.92x (
 to the engine's rate names what slows the engine; if none does, the cause is outside this
 pipeline (the host's threads, unless ``queued inline`` recovers it; else the gathers' own
 reads of the device pool).
+Run 88 (``_run88.json``): ``mini engine`` seemed to name it. The copies alone
+0.940/0.963/0.944x (MLA, MHA, DSA) with chunk waits, and with three buffers; with a kernel
+rewriting each buffer beside them 0.850/0.907/0.851x, shuffled the same; the engine
+0.816/0.883/0.795x, queued inline the same (not the host's threads). Paced, a gather overlaps the first 0.17-0.27 ms of
+each chunk's 2.6-2.9 ms copy. Page_first page-64 scattered backups, whose copies are 4.5 MB,
+meet 0.9x through the same gathers: short rows suffer, long ones do not.
+Since run 88 the engine copies such backups straight from the device pool
+(``DMAConfig.pool_rows``, :class:`~kvtier.transfer.dma_plan.PoolPlan`: no staging, no
+gather): arms ``engine, from the pool`` against ``engine, staged`` (``pool_rows=0``) and
+the kernel, on scattered host pages and on allocator slots, and the pool path paced.
+Predictions: from the pool near the copies alone (MHA 0.93-0.95x, MLA 0.90-0.93x; DSA lower,
+its index-K part through the kernel beside them), the first copy sooner (no gather before
+it); on allocator slots within 0.01x of staged.
+Run 89 (``_run89.json``): wrong. In turn, from the pool against staged:
+0.842/0.807x (MLA), 0.885/0.882x (MHA), 0.734/0.768x (DSA); the kernel 0.872/0.903/0.792x.
+On allocator slots 0.844/0.964x, 0.890/0.981x, 0.848/0.975x: a page-long row on the host
+side costs the copies more than any gather did, staging or not. The copies alone (chunk
+waits) came out at 0.865/0.920/0.874x, not run 88's 0.940/0.963/0.944x, and the kernel
+beside them (``mini engine``) cost them 0.010-0.015x, not 0.06-0.09x: so what sets the
+copies' rate is the host rows' length (and the process), not the gather. The pool path
+stays, off by default (``pool_rows=0``), for engines that want backups on no SMs.
+Since run 89: the pool path's backup and a load at once (``both``) against staged, and the
+backups again, in a second process.
+Run 90 (``probe_scattered_backup_h200.json``): as run 89. From the pool against staged
+0.848/0.816x (MLA), 0.888/0.890x (MHA), 0.773/0.799x (DSA); allocator slots 0.857/0.972x,
+0.892/0.988x, 0.857/0.984x; with a load at once 1.447/1.418x, 1.549/1.548x, 1.216/1.269x. The
+copies alone 0.875/0.926/0.882x, beside a kernel 0.861/0.917/0.867x. Paced, the pool path's
+first copy 1.5-2.6 ms after the call against 2.0-2.9 staged.
 Usage: python bench/probes/scattered_backup.py OUT.json [--tokens N]
 """
 
@@ -68,6 +96,7 @@ import torch
 import kvtier.transfer.dma as dma_mod
 from kvtier.bench.transfer import Case, measure
 from kvtier.transfer import TransferEngine, streams
+from kvtier.transfer.dma import DMABackend, DMAConfig
 from kvtier.transfer.dma_plan import Runs
 from probelib import JsonLog, Pace, args, cell, in_turn, start
 
@@ -155,32 +184,36 @@ def main() -> None:
                  "pitched width": sorted({int(w) for t in tall for w in t[:, 2]})[:4],
                  "pitched rows": sorted({int(r) for t in tall for r in t[:, 3]})[:4]}
         log(f"{kind}/plan", shape)
-        shuffle = np.random.default_rng(1)
-        # Run 85's engine settings (gathers on 16 or 132 SMs, 512 MiB staging, no drains) and
-        # DSA's kernel parts in line moved nothing beyond what the docstring gives: not timed again.
-        one = stg[:1]
-        inline = TransferEngine(case.host, "dma", background_backups=False)
-        arms = {"engine": lambda: measure(case, eng, "backup", idx, clock, 1),
-                "engine, queued inline": lambda: measure(case, inline, "backup", idx, clock, 1),
-                "copies": lambda: copies_alone(calls, one, copied, True),
-                 "copies, host on the clock": lambda: copies_alone(calls, one, copied, False),
-                 "copies, shuffled": lambda: copies_alone(calls, one, copied, True, shuffle),
-                 "copies, chunk waits": lambda: copies_alone(calls, one, copied, True, side=side),
-                 "copies, chunk waits, 3 buffers": lambda: copies_alone(calls, stg, copied, True, side=side),
-                 "copies, mini engine": lambda: copies_alone(calls, stg, copied, True, side=side, gather=True),
-                 "copies, mini engine, shuffled": lambda: copies_alone(calls, stg, copied, True, shuffle, side, True)}
+        # Runs 83-88's arms that named nothing new are not timed again (the docstring has them).
+        eng = TransferEngine(case.host, DMABackend(DMAConfig(pool_rows=64 << 10)))
+        staged = TransferEngine(case.host, DMABackend(DMAConfig(pool_rows=0)))
+        kernel = TransferEngine(case.host, "kernel")
+        arms = {"engine, from the pool": lambda: measure(case, eng, "backup", idx, clock, 1),
+                "engine, staged": lambda: measure(case, staged, "backup", idx, clock, 1),
+                "kernel": lambda: measure(case, kernel, "backup", idx, clock, 1),
+                "copies, chunk waits": lambda: copies_alone(calls, stg[:1], copied, True, side=side),
+                "copies, mini engine": lambda: copies_alone(calls, stg, copied, True, side=side, gather=True)}
         times = in_turn(arms, lambda fn: fn())
         log(f"{kind}/layer_first/p64/scattered/backup", {k: cell(g, limits["backup"]) for k, g in times.items()})
-        paced = [pace.transfer(eng, idx[0], idx[1], True) for _ in range(3)]
-        best = min(paced, key=lambda r: r["total_ms"])
-        gbps = [c["copy_gbps"] for c in best["chunks"]]
-        log(f"{kind}/paced", {k: v for k, v in best.items() if k != "chunks"}
-            | {"chunk_copy_gbps_median": float(np.median(gbps)), "chunk_copy_gbps": gbps,
-               "chunk_gaps_ms": [c["gap_ms"] for c in best["chunks"]],
-               "chunk_copy_ms": [c["copy_ms"] for c in best["chunks"]],
-               "gathers_ms": [c["gather_ms"] for c in best["chunks"]]})
+        alloc = case.indices(False, rng)
+        arms = {"engine, from the pool": lambda: measure(case, eng, "backup", alloc, clock, 1),
+                "engine, staged": lambda: measure(case, staged, "backup", alloc, clock, 1)}
+        times = in_turn(arms, lambda fn: fn())
+        log(f"{kind}/layer_first/p64/allocator/backup", {k: cell(g, limits["backup"]) for k, g in times.items()})
+        arms = {"both, from the pool": lambda: measure(case, eng, "both", idx, clock, 1),
+                "both, staged": lambda: measure(case, staged, "both", idx, clock, 1)}
+        times = in_turn(arms, lambda fn: fn())
+        log(f"{kind}/layer_first/p64/scattered/both", {k: cell(g, limits["backup"]) for k, g in times.items()})
+        for name, e in (("pool", eng), ("staged", staged)):
+            paced = [pace.transfer(e, idx[0], idx[1], True) for _ in range(3)]
+            best = min(paced, key=lambda r: r["total_ms"])
+            gbps = [c["copy_gbps"] for c in best["chunks"]]
+            log(f"{kind}/paced/{name}", {k: v for k, v in best.items() if k != "chunks"}
+                | {"chunk_copy_gbps_median": float(np.median(gbps)), "chunk_copy_gbps": gbps,
+                   "chunk_gaps_ms": [c["gap_ms"] for c in best["chunks"]]})
+        log(f"{kind}/sms", {"pool": eng.backend.last_blocks, "staged": staged.backend.last_blocks})
         case.host.close()
-        del case, eng, inline, arms, stg, one, calls
+        del case, eng, staged, kernel, arms, stg, calls
         torch.cuda.empty_cache()
 
 

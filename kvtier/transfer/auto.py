@@ -184,7 +184,7 @@ class AutoBackend(Backend):
         self.prepare(parts, host_idx, dev_idx, False, whole=False)(layer)
 
     def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None, whole: bool = True,
-                host_np: np.ndarray | None = None):
+                host_np: np.ndarray | None = None, dev_np: np.ndarray | None = None):
         """Choose kernel or DMA for this transfer from measured times; returns ``run(layer)``.
 
         The transfer is timed with device events from this call (so the
@@ -214,8 +214,8 @@ class AutoBackend(Backend):
         # The host slots in the DMA backend's order, their runs and the order: worked out once, if DMA needs them.
         for_dma = functools.cache(lambda: self.dma.in_host_order(parts, host_np, runs))
         if candidates is None:  # first transfer of this shape: rank by the prior
-            s_np, s_runs, _ = for_dma()
-            ranking = [self.dma.plan_part(p, s_np, to_host, whole, s_runs) for p in parts]
+            s_np, s_runs, order = for_dma()
+            ranking = self.dma.plan_parts(parts, s_np, s_runs, order, to_host, whole, dev_np)
             candidates = self._candidates[base] = self.ranked(parts, ranking, host_np.size, to_host)
             # Ranking plans every chunk up front (5-15 ms for 32k scattered slots), once per
             # shape: the sample starts after it, and the transfer plans afresh, as later ones
@@ -228,7 +228,7 @@ class AutoBackend(Backend):
         # DMA plans are made only for DMA (chunk by chunk as the chunks are queued).
         if choice == "dma":
             s_np, s_runs, order = for_dma()
-            plans = [self.dma.plan_part(p, s_np, to_host, whole, s_runs) for p in parts]
+            plans = self.dma.plan_parts(parts, s_np, s_runs, order, to_host, whole, dev_np)
             inner = self.dma.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota, lazy_dev=not to_host)
         else:
             plans = [None] * len(parts)

@@ -35,9 +35,9 @@ import torch
 from . import streams
 from .base import Backend, TransferPart, between_chunks
 from .cudart import has_batch, memcpy2d, memcpy_batch
-from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, HostOrder, LayerChunkedPlan, Runs,
-                       choose_group, dma_capable, grouped_plan, layer_major, mean_copy_bound, narrow_layer_rows,
-                       run_class)
+from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, HostOrder, LayerChunkedPlan, PoolPlan,
+                       Runs, choose_group, dma_capable, grouped_plan, layer_major, mean_copy_bound, narrow_layer_rows,
+                       pool_placement, pool_row_bytes, run_class)
 from .kernel import KernelBackend, PartTables, check_mapped, host_numpy, on_device
 from .timing import event_seconds
 from .triton_kernels import copy_items
@@ -123,6 +123,17 @@ class DMAConfig:
     83); beside them, 75.9 ms, and 0.775x against 0.757x in turn (run 84,
     ``probe_scattered_backup_h200_run84.json``). The kernel's 8 KiB rows then hold the copy
     engine to 11-13 GB/s while it runs.
+    ``pool_rows``: a backup of a layer-major layout (layer_first) copies straight from the
+    device pool to the host, with no staging and no gather kernel, so on no SMs at all
+    (:class:`~.dma_plan.PoolPlan`), where its runs of slots consecutive on both sides average
+    at least this many bytes a layer (page-64 pages: 72 KiB for MLA, 128 KiB for MHA's K or
+    V); 0 (the default): always through staging. It needs the device slots on the host (the
+    engine has them: it reads them for its checks). For an engine whose forward pass should
+    keep every SM; not faster: each copy's rows are then as short as a page on both sides,
+    and on an H200 32k page-64 backups ran, against staging in turn, at 0.842x against
+    0.807x (MLA, scattered host pages), 0.885x against 0.882x (MHA), 0.734x against 0.768x
+    (DSA), and on allocator slots, where staging makes the host rows a whole layer long,
+    0.84-0.89x against 0.96-0.98x (run 89, ``probe_scattered_backup_h200_run89.json``).
     """
 
     staging_bytes: int = 128 * MiB
@@ -139,6 +150,7 @@ class DMAConfig:
     backup_drain: int = 4
     head_bytes: int = 96 * MiB
     kernel_aside: bool = True
+    pool_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("staging_bytes", "buffers", "gather_blocks", "batch_min"):
@@ -154,7 +166,7 @@ class DMAConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"DMAConfig.{name} must be 0 (never drain) or a {unit} count > 0, got {v!r}")
-        for name in ("kernel_below", "sort_below", "head_bytes", "load_drain_bytes"):
+        for name in ("kernel_below", "sort_below", "head_bytes", "load_drain_bytes", "pool_rows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"DMAConfig.{name} must be a byte count >= 0, got {v!r}")
@@ -182,6 +194,7 @@ class StagingRing:
         self.side = streams.fresh(device, priority)
         self.slots = [_Slot() for _ in range(config.buffers)]
         self.next = 0
+        self.pool_done = torch.cuda.Event()  # after the last chunk copied straight from the pool
         self.lock = threading.Lock()
 
     def kvtier_streams(self):
@@ -194,7 +207,7 @@ class StagingRing:
         self.aside = streams.apart(self.aside, self.device, self.priority, self.side, *others)
         return self.aside
 
-    def drain(self, after: str = "copy", copies=None) -> None:
+    def drain(self, after: str = "copy", copies=None, done: torch.cuda.Event | None = None) -> None:
         """Make the stream of this ring's copies wait before its next copy, so its queue runs
         dry for a moment and the copy engine takes copies other streams queued meanwhile.
         ``copies``: None for a load (copies on the side stream, each done at its slot's
@@ -203,20 +216,24 @@ class StagingRing:
         chunk's copy (0.02-0.05 ms a drain on an H200); ``scatter`` (loads), the last chunk's
         scatter (0.25-0.34 ms a drain, run 40); ``event``, the other stream only waits and
         records, with no kernel: no gap, the other copies still waited for the whole load
-        (run 43). The last two are kept for ``bench/probes/copy_priority.py``."""
-        last = self.slots[self.next - 1]  # the chunk queued last through this ring
-        if last.free is None:  # nothing queued through it yet
-            return
-        if after == "scatter":
-            self.side.wait_event(last.free)
-            return
-        copies = copies or self.side
+        (run 43). The last two are kept for ``bench/probes/copy_priority.py``.
+        ``done``: an event recorded on ``copies`` after its last copy, for copies that use no
+        staging slot (a backup straight from the device pool); default: the last slot's."""
+        if done is None:
+            last = self.slots[self.next - 1]  # the chunk queued last through this ring
+            if last.free is None:  # nothing queued through it yet
+                return
+            if after == "scatter":
+                self.side.wait_event(last.free)
+                return
+            copies = copies or self.side
+            done = last.ready if copies is self.side else last.free
         if self._tick is None:
             self._tick = (None, torch.empty(1, device=self.device), torch.cuda.Event())
         if self._tick[0] is None or streams.clashes(self._tick[0], self.side, copies):
             self._tick = (streams.fresh(self.device, 0, (self.side, copies)),) + self._tick[1:]
         stream, flag, ev = self._tick
-        stream.wait_event(last.ready if copies is self.side else last.free)  # its copy done
+        stream.wait_event(done)  # its copy done
         if after == "copy":
             with torch.cuda.stream(stream):
                 flag.fill_(0)
@@ -257,7 +274,8 @@ class DMABackend(Backend):
         return self._rings[key]
 
     def plan_part(self, part: TransferPart, host_np: np.ndarray, to_host: bool,
-                  whole: bool = True, runs: Runs | None = None) -> ChunkedPlan | GroupedPlan | None:
+                  whole: bool = True, runs: Runs | None = None,
+                  dev_np: np.ndarray | None = None) -> ChunkedPlan | GroupedPlan | None:
         """The plan for one part, or None where the host slots do not suit DMA
         (the part then goes through the zero-copy kernel).
 
@@ -266,10 +284,18 @@ class DMABackend(Backend):
         Host slots that do not suit DMA: partial pages of a page-jumping
         layout, and runs so short that the copies would average under
         ``DMAConfig.kernel_below`` bytes. ``runs``: :meth:`Runs.of` ``host_np``, if the
-        caller has it (the parts of a transfer share their host slots).
+        caller has it (the parts of a transfer share their host slots). ``dev_np``: the device
+        slots, paired with ``host_np``, if the caller has them on the host: a backup may then
+        copy straight from the device pool (``DMAConfig.pool_rows``).
         """
         if not dma_capable(part.host, host_np):
             return None
+        if to_host and dev_np is not None and self.config.pool_rows and layer_major(part.host):
+            pitch = pool_pitch(part)
+            if pitch is not None and pool_row_bytes(part.host, host_np, dev_np) >= self.config.pool_rows:
+                pool = pool_placement(part.host, pitch, part.device_layers[0].shape[0])
+                return PoolPlan(part.host, pool, host_np, dev_np, part.layer_num, self.config.staging_bytes,
+                                ramp=RAMP_MIN_BYTES)
         runs = runs or Runs.of(host_np)
         layers = part.layer_num if to_host else (self.load_group(part, host_np, runs) if whole else 1)
         # The bound (run lengths only) decides, so nothing is planned yet: the plan is
@@ -361,20 +387,29 @@ class DMABackend(Backend):
         self.prepare(parts, host_idx, dev_idx, layer is None, whole=False)(layer)
 
     def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None, whole: bool = True,
-                host_np: np.ndarray | None = None):
+                host_np: np.ndarray | None = None, dev_np: np.ndarray | None = None):
         """Plans made once; returns ``run(layer)`` (``layer=None`` for a backup).
 
         ``whole``: a load's ``run`` will be called for every layer, in order,
         so adjacent layers may be copied together. Parts whose host slots do
         not suit DMA (:meth:`plan_part`) go through the kernel backend.
-        ``host_np``: ``host_idx`` already read to the host, if the caller has it.
+        ``host_np``: ``host_idx`` already read to the host, if the caller has it; ``dev_np``
+        the same for ``dev_idx`` (a backup may then copy straight from the pool).
         """
         for part in parts:
             check_mapped(part)
         host_np = host_numpy(host_idx) if host_np is None else host_np
         s_np, runs, order = self.in_host_order(parts, host_np, Runs.of(host_np))
-        plans = [self.plan_part(p, s_np, to_host, whole, runs) for p in parts]
+        plans = self.plan_parts(parts, s_np, runs, order, to_host, whole, dev_np)
         return self.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota, lazy_dev=not to_host)
+
+    def plan_parts(self, parts, s_np: np.ndarray, runs: Runs, order: np.ndarray | None, to_host: bool,
+                   whole: bool = True, dev_np: np.ndarray | None = None) -> list:
+        """:meth:`plan_part` of every part, for ``(s_np, runs, order) = in_host_order(...)``;
+        ``dev_np``, the device slots in the caller's order, are permuted as the host slots."""
+        if dev_np is not None and order is not None and to_host:
+            dev_np = dev_np[order]
+        return [self.plan_part(p, s_np, to_host, whole, runs, dev_np if to_host else None) for p in parts]
 
     def in_host_order(self, parts, host_np: np.ndarray, runs: Runs) -> tuple[np.ndarray, Runs, np.ndarray | None]:
         """``(slots, their runs, order)`` to plan with: ``host_np`` in host-slot order
@@ -393,7 +428,7 @@ class DMABackend(Backend):
         """:meth:`runner` for ``plans`` made with ``(s_np, _, order) = in_host_order(...)``: DMA
         parts move the slot pairs in that order, kernel parts in the caller's. The device slots
         are permuted only here, and only when some part goes by DMA."""
-        if order is None or all(p is None for p in plans):
+        if order is None or not any(_staged(p) for p in plans):  # pool plans carry their own slots
             return self.runner(parts, plans, host_idx, dev_idx, block_quota, lazy_dev=lazy_dev)
         sel = torch.from_numpy(order)
         dev = dev_idx.to(torch.int64)
@@ -420,7 +455,7 @@ class DMABackend(Backend):
             if not fetched:
                 fetched.append(on_device(dev_idx, device))
             return fetched[0]
-        if not lazy_dev:
+        if not lazy_dev and any(_staged(p) for p in plans):
             d_of()
         k_h, k_d = kernel_idx or (host_idx, dev_idx)
         h = on_device(k_h, device) if any(p is None for p in plans) else None
@@ -475,7 +510,8 @@ class DMABackend(Backend):
                     elif n := p.issue_at(layer):  # 0: moved with its group's first layer
                         self.run_part(part, p.plans[n], d_of, layer, join=not joined[0], n_layers=n, drain=every)
                         joined[0] = True
-                    used = max(used, self.config.gather_blocks)
+                    if _staged(p):  # copies straight from the pool use no SMs
+                        used = max(used, self.config.gather_blocks)
                 self.last_blocks = used
             finally:
                 if beside:
@@ -520,11 +556,15 @@ class DMABackend(Backend):
         """
         to_host = layer is None
         device = part.device_layers[0].device
-        d = d_of() if to_host else None
         ring = self.ring(device, to_host)
         cur = torch.cuda.current_stream(device)
-        ptrs = self.tables.get(part, device)
         host_base = part.host_raw.data_ptr() + (0 if to_host else layer * part.host.layer_stride)
+        if isinstance(p, PoolPlan):
+            with ring.lock:
+                self._pool_chunks(ring, cur, part, p, host_base, range(first, p.n_chunks if stop is None else stop))
+            return
+        d = d_of() if to_host else None
+        ptrs = self.tables.get(part, device)
         with ring.lock:
             # The pool may hand out the caller's stream as the side stream: they would take turns.
             ring.side = streams.apart(ring.side, device, ring.priority, cur)
@@ -568,6 +608,20 @@ class DMABackend(Backend):
             slot.free.record(cur)
             between_chunks()
 
+    def _pool_chunks(self, ring, cur, part, p: PoolPlan, host_base: int, chunks: range) -> None:
+        """Copy each of ``chunks`` straight from the device pool to the host on ``cur``: no
+        staging, no gather (``cur`` is ordered after the compute that wrote the pool)."""
+        pool = part.device_layers[0].data_ptr()
+        k = self.config.backup_drain
+        for i in chunks:
+            if drains_at(i, 1, k):
+                ring.drain("copy", cur, done=ring.pool_done)
+            tall, flat = p.calls(i)
+            _issue(tall, flat, host_base, pool, True, cur.cuda_stream, self.config.batch_min)
+            if k:
+                ring.pool_done.record(cur)
+            between_chunks()
+
     def _load_chunks(self, ring, cur, part, p, ptrs, d_of, host_base, layer, n_layers, drain: int) -> None:
         """Copy each chunk from the host on the side stream, then scatter it on ``cur``. The
         device slots (``d_of()``, on ``cur``) are asked for after the first chunk's copies are
@@ -589,6 +643,28 @@ class DMABackend(Backend):
             copy_items(p.staging, slot.buf, part.device_layers, ptrs, None, d, j0, m, layer, n_layers,
                        False, self.config.gather_blocks, wp)
             slot.free.record(cur)
+
+
+def _staged(p) -> bool:
+    """Whether plan ``p`` moves its part through staging (gathers or scatters on the device)."""
+    return p is not None and not isinstance(p, PoolPlan)
+
+
+def pool_pitch(part: TransferPart) -> int | None:
+    """Bytes from one of ``part``'s device layers to the next where they are one stack: each
+    contiguous, equally spaced, none overlapping the next (as :class:`~kvtier.device_pool.KVPool`
+    makes them); else None (a backup then goes through staging)."""
+    layers = part.device_layers
+    if not all(t.is_contiguous() for t in layers):
+        return None
+    nbytes = layers[0].numel() * layers[0].element_size()
+    if len(layers) == 1:
+        return nbytes
+    ptrs = [t.data_ptr() for t in layers]
+    pitch = ptrs[1] - ptrs[0]
+    if pitch < nbytes or any(b - a != pitch for a, b in zip(ptrs, ptrs[1:])):
+        return None
+    return pitch
 
 
 def head_chunks(p, layer_num: int, item_bytes: int, budget: int) -> int:

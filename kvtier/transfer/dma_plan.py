@@ -47,12 +47,15 @@ def whole_pages(host_idx: np.ndarray, page_size: int) -> bool:
     return bool((pages[:, 0] % page_size == 0).all() and (np.diff(pages, axis=1) == 1).all())
 
 
-def run_starts(host_idx: np.ndarray, cuts: np.ndarray | None = None) -> np.ndarray:
+def run_starts(host_idx: np.ndarray, cuts: np.ndarray | None = None, paired: np.ndarray | None = None) -> np.ndarray:
     """Where each run of consecutive slots starts (positions in ``host_idx``); a position in
-    ``cuts`` (chunk edges) starts a new run too."""
+    ``cuts`` (chunk edges) starts a new run too, and with ``paired`` (the slots on the other
+    side, as many), so does a position where those are not consecutive."""
     brk = np.ones(host_idx.size, dtype=bool)
     if host_idx.size:
         brk[1:] = np.diff(host_idx) != 1
+        if paired is not None:
+            brk[1:] |= np.diff(paired) != 1
         if cuts is not None:
             brk[cuts] = True
     return np.flatnonzero(brk)
@@ -400,15 +403,18 @@ def _layout(pl: Placement, host_idx: np.ndarray, layers: int, staging_bytes: int
     return compact(pl, slots, layers), slots, chunk_bounds(n, slots, pl.page_size, layers * pl.item_bytes, ramp)
 
 
-def _copies(pl: Placement, stg: Placement, host_idx: np.ndarray, bounds: np.ndarray, layers: int):
+def _copies(pl: Placement, stg: Placement, host_idx: np.ndarray, bounds: np.ndarray, layers: int,
+            stg_idx: np.ndarray | None = None):
     """Every copy of the transfer, grouped by chunk, and the chunk each belongs to.
 
     Runs of consecutive host slots are cut at chunk edges; each run's copies
     are its length's template (:func:`_run_template`) moved to where the run
-    starts on the host and in its chunk's staging buffer.
+    starts on the host and in its chunk's staging buffer. ``stg_idx``: the other side's
+    slot of each host slot (:class:`PoolPlan`: the device pool's), not the position in
+    the chunk; runs are then cut where those are not consecutive too.
     """
     n = int(host_idx.size)
-    starts = run_starts(host_idx, bounds[1:-1])
+    starts = run_starts(host_idx, bounds[1:-1], stg_idx)
     lengths = np.diff(np.append(starts, n))
     chunk_of = np.searchsorted(bounds, starts, side="right") - 1
     out, owner = [], []
@@ -417,7 +423,7 @@ def _copies(pl: Placement, stg: Placement, host_idx: np.ndarray, bounds: np.ndar
         sel = starts[of_k]
         tpl = _run_template(pl, stg, int(k), layers)
         h0 = _offsets(pl, host_idx[sel])
-        s0 = _offsets(stg, sel - bounds[chunk_of[of_k]])
+        s0 = _offsets(stg, sel - bounds[chunk_of[of_k]] if stg_idx is None else stg_idx[sel])
         rows = np.repeat(tpl[None, :, :], sel.size, axis=0)
         rows[:, :, 0] += h0[:, None]
         rows[:, :, 1] += s0[:, None]
@@ -563,6 +569,64 @@ class LayerChunkedPlan(ChunkedPlan):
 
     def layer_range(self, i: int) -> tuple[int, int]:
         return int(self._lb[i]), int(self._lb[i + 1] - self._lb[i])
+
+
+def pool_placement(pl: Placement, pitch: int, size: int) -> Placement:
+    """The device pool's bytes of a component in ``pl``'s terms (page size, item chunks): a
+    stack of ``pl.layer_num`` layers ``pitch`` bytes apart, each ``size`` slots of contiguous
+    items; slot ``s`` of layer ``l`` at ``l * pitch + s * item_bytes``."""
+    item = pl.item_bytes
+    return Placement(pl.page_size, pl.page_size * item, item, pitch, pl.chunk_bytes, pl.chunk_bytes, pl.n_chunks,
+                     pl.layer_num, (pl.layer_num - 1) * pitch + size * item)
+
+
+def pool_row_bytes(pl: Placement, host_idx: np.ndarray, dev_idx: np.ndarray) -> float:
+    """Mean bytes a layer of a :class:`PoolPlan` of a :func:`layer_major` layout copies per
+    call: the slots over the runs consecutive on both sides, times the item size."""
+    if not host_idx.size:
+        return 0.0
+    return host_idx.size * pl.item_bytes / run_starts(host_idx, None, dev_idx).size
+
+
+class PoolPlan(ChunkedPlan):
+    """A transfer's copies straight between the host and the device pool: no staging buffer,
+    no gather or scatter kernel. One pitched copy per run of slots consecutive on both sides
+    (:func:`layer_major` layouts: ``layers`` rows of the run's bytes, the host's layer
+    stride apart on one side and the pool's on the other).
+
+    Uses no SMs (``DMAConfig.pool_rows``, off by default), but is not faster: the rows are a
+    page long on both sides. On an H200 (run 89), 32k page-64 backups: on allocator slots
+    0.84-0.89x of the link where staging (whole-layer host rows) gave 0.96-0.98x; on scattered
+    host pages 0.73-0.89x where staging gave 0.77-0.88x. Planned a chunk at a time, as :class:`ChunkedPlan` (chunks of ``staging_bytes``, the
+    first ones ramped), so the first copies go out after a fraction of the planning;
+    ``staging`` is the pool's placement
+    (:func:`pool_placement`), and the calls' staging offsets are byte offsets in the pool from
+    layer 0's first byte. Needs the device slots on the host: the caller's order, permuted as
+    the host slots are.
+    """
+
+    def __init__(self, pl: Placement, pool: Placement, host_idx: np.ndarray, dev_idx: np.ndarray, layers: int,
+                 staging_bytes: int, max_pitch: int | None = None, ramp: int = 0):
+        if dev_idx.shape != host_idx.shape:
+            raise ValueError(f"{dev_idx.size} device slots for {host_idx.size} host slots; they must pair up")
+        self._pl, self._layers, self.n_items = pl, layers, int(host_idx.size)
+        self._idx = np.array(host_idx, dtype=np.int64)
+        self._dev = np.array(dev_idx, dtype=np.int64)
+        self._first = None
+        self._max_pitch = max_pitch or MAX_PITCH
+        self._calls: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._whole: DMAPlan | None = None
+        self.staging = pool
+        self.slots = _staging_slots(pl, self.n_items, layers, staging_bytes)
+        self.bounds = chunk_bounds(self.n_items, self.slots, pl.page_size, layers * pl.item_bytes, ramp)
+
+    def _chunk_calls(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if i not in self._calls:
+            j0, m = self.items(i)
+            copies, _ = _copies(self._pl, self.staging, self._idx[j0:j0 + m], np.array([0, m]), self._layers,
+                                self._dev[j0:j0 + m])
+            self._calls[i] = (copies, *split_copies(copies, self._max_pitch))
+        return self._calls[i]
 
 
 def _offsets(pl: Placement, slots: np.ndarray) -> np.ndarray:

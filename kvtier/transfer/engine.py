@@ -296,7 +296,7 @@ class TransferEngine:
                 t.record_stream(stream)
         with torch.cuda.stream(stream):
             if to_host:
-                run = self._runner(parts, h, d, to_host, h_np)
+                run = self._runner(parts, h, d, to_host, h_np, d_np)
                 event = torch.cuda.Event()
                 queued = None
                 if self.background_backups:
@@ -318,7 +318,7 @@ class TransferEngine:
                 # preparation from 2-3 ms to 7.5 ms (H200 run 22, probe_host_timeline).
                 events = []
                 with self._load_first():
-                    run = self._runner(parts, h, d, to_host, h_np)
+                    run = self._runner(parts, h, d, to_host, h_np, d_np)
                     run(0)
                 for layer in range(self.layer_num):
                     if layer:
@@ -379,10 +379,10 @@ class TransferEngine:
             self._backlog = Backlog(lambda pump: self._issuer.submit(self._pump_in_thread, pump))
         return self._backlog
 
-    def _runner(self, parts, h, d, to_host: bool, h_np: np.ndarray):
+    def _runner(self, parts, h, d, to_host: bool, h_np: np.ndarray, d_np: np.ndarray):
         prepare = getattr(self.backend, "prepare", None)
         if prepare is not None:
-            return prepare(parts, h, d, to_host, self.block_quota, host_np=h_np)
+            return prepare(parts, h, d, to_host, self.block_quota, host_np=h_np, dev_np=d_np)
         if to_host:
             return lambda layer: self.backend.backup(parts, h, d, self.block_quota)
         return lambda layer: self.backend.load(parts, h, d, layer)

@@ -125,9 +125,10 @@ class KernelBackend(Backend):
     def _run(self, parts, host_idx, dev_idx, layer, blocks) -> None:
         self.prepare(parts, host_idx, dev_idx, layer is None, blocks)(layer)
 
-    def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None, host_np=None):
+    def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None, host_np=None,
+                dev_np=None):
         """Checks and index copies done once; returns ``run(layer)`` (``layer=None`` for a backup).
-        ``host_np`` (the host indices read back, as the other backends take it) is not needed."""
+        ``host_np`` and ``dev_np`` (the indices read back, as the other backends take them) are not needed."""
         for part in parts:
             check_mapped(part)
         blocks = self._blocks(block_quota)
