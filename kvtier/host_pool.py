@@ -24,7 +24,7 @@ import torch
 from .allocator import AllocatorError, PageAllocator, tokens_to_pages
 from .device_pool import as_rows, layer_attr
 from .layouts import HostLayout, Placement, get_layout
-from .memory import GB, HostBuffer, check_host_memory, gpu_available
+from .memory import GB, HUGE_PAGES_ENV, HostBuffer, check_host_memory, gpu_available, huge_pages_default
 from .spec import DSA, MHA, MLA, KVSpec
 from .transfer.base import TransferPart, get_backend
 from .transfer import direct as _direct  # noqa: F401  (registers the direct backend)
@@ -68,7 +68,7 @@ class HostKVCache:
     def __init__(self, device_pool, host_to_device_ratio: float, host_size: float, page_size: int,
                  layout: str, device: str = "cpu", host_size_tokens: int = 0, *,
                  reserve_bytes: int | None = None, pin_memory: bool | None = None,
-                 validate_indices: bool = True):
+                 validate_indices: bool = True, huge_pages: bool | None = None):
         self.spec = spec_of(device_pool, self.KIND)
         self.layout_obj: HostLayout = get_layout(layout, self.KIND)
         _check_page_size(page_size, device_pool)
@@ -76,6 +76,10 @@ class HostKVCache:
             raise ValueError(f"a host pool lives in host memory: device must be 'cpu', got {device!r}")
         if pin_memory and not gpu_available():
             raise ValueError("pin_memory=True needs CUDA; CPU-only torch cannot pin memory (leave it None)")
+        self.huge_pages = huge_pages_default() if huge_pages is None else huge_pages
+        if not isinstance(self.huge_pages, bool):
+            raise ValueError(f"huge_pages must be True, False or None (the environment's {HUGE_PAGES_ENV}), "
+                             f"got {huge_pages!r}")
         self.device_pool = device_pool
         self.page_size = page_size
         self.layout = layout
@@ -109,12 +113,12 @@ class HostKVCache:
         comps = self.spec.components
         shapes = [self.layout_obj.shape(c, self.layer_num, self.size, self.page_size) for c in comps]
         if self._seed_combined:
-            buf = HostBuffer((2, *shapes[0]), comps[0].dtype, pin)
+            buf = HostBuffer((2, *shapes[0]), comps[0].dtype, pin, self.huge_pages)
             self.kv_buffer = buf.tensor
             tensors = [buf.tensor[0], buf.tensor[1]]
             buffers = [buf]
         else:
-            buffers = [HostBuffer(s, c.dtype, pin) for s, c in zip(shapes, comps)]
+            buffers = [HostBuffer(s, c.dtype, pin, self.huge_pages) for s, c in zip(shapes, comps)]
             tensors = [b.tensor for b in buffers]
         self.component_tensors = dict(zip((c.name for c in comps), tensors))
         self.placements: dict[str, Placement] = {

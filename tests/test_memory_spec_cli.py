@@ -107,3 +107,89 @@ def test_console_script_help_everywhere():
     for args in (["--help"], ["info", "--help"], ["bench", "--help"], ["bench", "alloc", "--help"]):
         res = subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True)
         assert res.returncode == 0 and "Usage:" in res.stdout, res.stderr
+
+
+def _vm_flags(t: torch.Tensor) -> list[str]:
+    """The kernel's VmFlags of the mapping ``t`` starts in (``/proc/self/smaps``)."""
+    at, inside = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                a, b = (int(x, 16) for x in head.split("-"))
+                inside = a <= at < b
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return []
+
+
+@pytest.mark.parametrize("huge", [False, True])
+def test_host_buffers_ask_for_huge_pages_only_when_told(huge, monkeypatch):
+    """``huge_pages=True`` (the default on Linux, ``KVTIER_HOST_HUGE_PAGES`` unset): the buffer
+    lies in a mapping of its own, from a 2 MiB boundary, advised for transparent huge pages
+    (``hg`` in its VmFlags), and holds what is written; ``False`` (or the variable at 0):
+    ordinary memory."""
+    monkeypatch.delenv(memory.HUGE_PAGES_ENV, raising=False)
+    assert memory.huge_pages_default() == memory.HUGE_PAGES_SUPPORTED
+    if huge and not memory.HUGE_PAGES_SUPPORTED:
+        pytest.skip("this platform cannot ask for huge pages")
+    b = memory.HostBuffer((3, 700, 1000), torch.bfloat16, pin=False, huge_pages=None if huge else False)
+    t = b.tensor
+    assert t.shape == (3, 700, 1000) and t.dtype == torch.bfloat16 and b.huge_pages == huge
+    flat = t.view(-1).view(torch.uint8)
+    flat.copy_(torch.arange(flat.numel()).remainder(251).to(torch.uint8))
+    assert int(flat[4321]) == 4321 % 251 and int(flat[-1]) == (flat.numel() - 1) % 251
+    if huge:
+        assert t.data_ptr() % memory.HUGE_PAGE == 0 and "hg" in _vm_flags(t)
+        assert 0 <= memory.huge_page_bytes(t) <= t.numel() * 2
+    else:
+        assert "hg" not in _vm_flags(t)
+    monkeypatch.setenv(memory.HUGE_PAGES_ENV, "0")
+    assert not memory.HostBuffer((4,), torch.uint8, pin=False).huge_pages
+    monkeypatch.setenv(memory.HUGE_PAGES_ENV, "1")
+    if memory.HUGE_PAGES_SUPPORTED:
+        assert memory.HostBuffer((4,), torch.uint8, pin=False).huge_pages
+        assert memory.HostBuffer((0,), torch.uint8, pin=False, huge_pages=True).tensor.numel() == 0
+    else:
+        with pytest.raises(ValueError, match="set it to 0"):
+            memory.HostBuffer((4,), torch.uint8, pin=False)
+
+
+def test_bad_huge_pages_settings_are_refused_by_name_before_allocating(monkeypatch):
+    from kvtier.device_pool import pool_from_spec
+    from kvtier.host_pool import host_pool_for
+    monkeypatch.setenv(memory.HUGE_PAGES_ENV, "yes")
+    with pytest.raises(ValueError, match="KVTIER_HOST_HUGE_PAGES='yes' must be 1"):
+        memory.HostBuffer((4,), torch.uint8, pin=False)
+    monkeypatch.delenv(memory.HUGE_PAGES_ENV)
+    dev = pool_from_spec(preset("llama-3-8b"), 64, 16, "cpu")
+    with pytest.raises(ValueError, match="huge_pages must be True, False or None"):
+        host_pool_for(dev, "layer_first", host_size_tokens=64, huge_pages="yes")
+    with pytest.raises(ValueError, match="huge_pages must be True, False or None"):
+        memory.HostBuffer((4,), torch.uint8, pin=False, huge_pages=1)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_a_host_pool_on_huge_pages_moves_the_same_bytes(layout):
+    """A pool made with ``huge_pages=True`` backs up and loads exactly as one without."""
+    from kvtier.device_pool import pool_from_spec
+    from kvtier.host_pool import host_pool_for
+    spec = KVSpec("mla", 3, torch.bfloat16, kv_lora_rank=64, qk_rope_head_dim=16)
+    dev = pool_from_spec(spec, 256, 16, "cpu")
+    for st in dev.stacks.values():
+        st.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(3))
+    pools = [host_pool_for(dev, layout, host_size_tokens=256, huge_pages=h) for h in (False, True)]
+    assert [p.huge_pages for p in pools] == [False, True]
+    h = torch.cat([torch.arange(48, 64), torch.arange(16, 32)])
+    d = torch.cat([torch.arange(160, 176), torch.arange(0, 16)])
+    for p in pools:
+        for name in p.component_tensors:
+            p.raw_bytes(name).fill_(0xA5)  # ordinary memory starts as whatever was there
+        p.backup_from_device_all_layer(dev, h, d, "direct")
+    for name in pools[0].component_tensors:
+        assert torch.equal(pools[0].raw_bytes(name), pools[1].raw_bytes(name))
+    before = {k: v.clone() for k, v in dev.stacks.items()}
+    for layer in range(spec.layer_num):
+        pools[1].load_to_device_per_layer(dev, h, d + 32, layer, "direct")
+    for k, st in dev.stacks.items():
+        assert torch.equal(st[:, d + 32].view(torch.uint8), before[k][:, d].view(torch.uint8))
