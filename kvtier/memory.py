@@ -142,6 +142,34 @@ def huge_pages_default() -> bool:
     raise ValueError(f"{HUGE_PAGES_ENV}={raw!r} must be 1 (ask for huge pages) or 0 (do not)")
 
 
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode(path: Path = THP_ENABLED) -> str | None:
+    """The kernel's transparent-huge-page setting (``always``, ``madvise`` or ``never``: the
+    bracketed word of ``path``); None where it cannot be read (not Linux)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
+def huge_pages_note(mode: str | None = None, *, read: bool = True) -> str:
+    """One line for operators: whether host pools ask for huge pages here, and whether they
+    can get them (``mode``: the transparent-huge-page setting; None reads it, unless ``read``
+    is False: unknown)."""
+    mode = thp_mode() if mode is None and read else mode
+    if not huge_pages_default():
+        why = f"{HUGE_PAGES_ENV}=0" if HUGE_PAGES_SUPPORTED else "this platform cannot ask"
+        return f"host pages: 4 KiB; pools do not ask for huge pages ({why})"
+    if mode in ("always", "madvise"):
+        return f"host pages: pools ask for 2 MiB pages (transparent huge pages: {mode} here)"
+    return (f"host pages: pools ask for 2 MiB pages, but transparent huge pages are {mode or 'unknown'} here: "
+            "4 KiB pages (the zero-copy kernel moves scattered pages 0.02-0.045x slower, H200 run 91)")
+
+
 def _advised(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An empty CPU tensor in its own anonymous mapping, starting on a 2 MiB boundary and
     advised ``MADV_HUGEPAGE``: where transparent huge pages are ``always`` or ``madvise``,

@@ -86,6 +86,9 @@ def test_info_round_trip_and_json(tmp_path):
     assert data["bytes_per_token"] == 3 * 2 * 3 * 40 * 2
     assert set(data["roundtrip"]["layouts"]) == {"layer_first", "page_first", "page_head"}
     assert all(r["identical"] for r in data["roundtrip"]["layouts"].values())
+    assert all(0 <= r["huge_page_share"] <= 1 for r in data["roundtrip"]["layouts"].values())
+    assert data["huge_pages"] == memory.huge_pages_default() and data["transparent_huge_pages"] == memory.thp_mode()
+    assert "host pages:" in res.output and "host pool in huge pages" in res.output
 
 
 def test_info_bad_shape_is_a_usage_error():
@@ -193,3 +196,22 @@ def test_a_host_pool_on_huge_pages_moves_the_same_bytes(layout):
         pools[1].load_to_device_per_layer(dev, h, d + 32, layer, "direct")
     for k, st in dev.stacks.items():
         assert torch.equal(st[:, d + 32].view(torch.uint8), before[k][:, d].view(torch.uint8))
+
+
+@pytest.mark.parametrize("text,mode", [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
+                                       ("always madvise [never]", "never"), ("garbled", None)])
+def test_the_transparent_huge_page_setting_is_read_and_explained(tmp_path, text, mode, monkeypatch):
+    f = tmp_path / "enabled"
+    f.write_text(text)
+    assert memory.thp_mode(f) == mode
+    assert memory.thp_mode(tmp_path / "missing") is None
+    monkeypatch.delenv(memory.HUGE_PAGES_ENV, raising=False)
+    note = memory.huge_pages_note(mode, read=False)
+    if not memory.HUGE_PAGES_SUPPORTED:
+        assert "do not ask" in note
+    elif mode in ("always", "madvise"):
+        assert "ask for 2 MiB pages" in note and mode in note
+    else:
+        assert "4 KiB pages" in note and "slower" in note
+    monkeypatch.setenv(memory.HUGE_PAGES_ENV, "0")
+    assert "do not ask" in memory.huge_pages_note(mode, read=False)

@@ -9,7 +9,7 @@ import click
 import torch
 
 from ..layouts import LAYOUTS, SUPPORTED
-from ..memory import GB, host_memory
+from ..memory import GB, host_memory, huge_page_bytes, huge_pages_default, huge_pages_note, thp_mode
 from ..spec import KVSpec
 from .shape import shape_options
 
@@ -66,10 +66,12 @@ def roundtrip(spec: KVSpec, page_size: int, tokens: int, reserve: int | None) ->
             torch.equal(dev.stacks[n][:, dst].view(torch.uint8), before[n].view(torch.uint8)) for n in before
         )
         nbytes = tokens * spec.bytes_per_token
+        held = sum(t.numel() * t.element_size() for t in host.component_tensors.values())
         results[layout] = {
             "identical": same,
             "backup_gbps": nbytes / (t1 - t0) / GB,
             "load_gbps": nbytes / (t2 - t1) / GB,
+            "huge_page_share": sum(huge_page_bytes(t) for t in host.component_tensors.values()) / held,
         }
         host.free(h)
     return {"tokens": tokens, "bytes": tokens * spec.bytes_per_token, "layouts": results}
@@ -109,6 +111,7 @@ def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_to
                f"after a {mem.reserve / GB:.1f} GB reserve ({limit} limit"
                + (f", cgroup limit {mem.cgroup_limit / GB:.1f} GB" if mem.cgroup_limit else "") + ")")
     click.echo(f"host tier capacity here: {fits:,} tokens ({fits // page_size:,} pages of {page_size})")
+    click.echo(huge_pages_note())
     out = {
         "model": spec.name, "kind": spec.kind, "describe": spec.describe(),
         "bytes_per_token": spec.bytes_per_token,
@@ -116,6 +119,7 @@ def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_to
         "page_size": page_size, "layouts": rows,
         "host_available_bytes": mem.available, "host_capacity_tokens": fits,
         "cgroup_limit_bytes": mem.cgroup_limit,
+        "huge_pages": huge_pages_default(), "transparent_huge_pages": thp_mode(),
     }
     if roundtrip:
         click.echo("")
@@ -125,7 +129,7 @@ def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_to
         for layout, r in rt["layouts"].items():
             verdict = "identical" if r["identical"] else "MISMATCH"
             click.echo(f"  {layout:<12} {verdict:<10} backup {r['backup_gbps']:6.2f} GB/s   "
-                       f"load {r['load_gbps']:6.2f} GB/s")
+                       f"load {r['load_gbps']:6.2f} GB/s   host pool in huge pages {r['huge_page_share']:.0%}")
         out["roundtrip"] = rt
         if not all(r["identical"] for r in rt["layouts"].values()):
             raise click.ClickException("round trip changed bytes")
