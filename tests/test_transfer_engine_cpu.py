@@ -143,7 +143,7 @@ def test_bench_transfer_quick_writes_rows(tmp_path):
     assert len(rows) - len(limits) == 2 * 2 * 3  # layouts x host slots x directions, direct only on the CPU
     assert all(set(r) == FIELDS and r["gbps"] > 0 and r["limit_gbps"] > 0 for r in rows)
     assert np.allclose([r["ratio"] for r in rows], [r["gbps"] / r["limit_gbps"] for r in rows], rtol=0.01, atol=1e-3)
-    assert "ratio to the contiguous limit" in res.output
+    assert "ratio to the contiguous limit" in res.output and "host pages:" in res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote the figure to {png}" in res.output
 
 

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from ..device_pool import pool_from_spec
 from ..host_pool import host_pool_for
 from ..layouts import SUPPORTED
+from ..memory import huge_pages_note
 from ..spec import preset
 from ..transfer import TransferEngine
 from ..transfer.online import DUPLEX, score
@@ -470,6 +471,7 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
                        f"{2 ** key[2] // 2}+ slots, {group} layers per copy: {rate:.1f} GB/s", err=True)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     click.echo(f"\n{dev}, {tokens} tokens per transfer; cells are GB/s and ratio to the contiguous limit")
+    click.echo(huge_pages_note())
     click.echo(table(rows))
     if json_path:
         click.echo(f"wrote {len(rows)} rows to {json_path}")
