@@ -24,7 +24,7 @@ import torch
 from .allocator import AllocatorError, PageAllocator, tokens_to_pages
 from .device_pool import as_rows, layer_attr
 from .layouts import HostLayout, Placement, get_layout
-from .memory import GB, HUGE_PAGES_ENV, HostBuffer, check_host_memory, gpu_available, huge_pages_default
+from .memory import GB, HostBuffer, check_host_memory, gpu_available, resolve_huge_pages
 from .spec import DSA, MHA, MLA, KVSpec
 from .transfer.base import TransferPart, get_backend
 from .transfer import direct as _direct  # noqa: F401  (registers the direct backend)
@@ -76,10 +76,7 @@ class HostKVCache:
             raise ValueError(f"a host pool lives in host memory: device must be 'cpu', got {device!r}")
         if pin_memory and not gpu_available():
             raise ValueError("pin_memory=True needs CUDA; CPU-only torch cannot pin memory (leave it None)")
-        self.huge_pages = huge_pages_default() if huge_pages is None else huge_pages
-        if not isinstance(self.huge_pages, bool):
-            raise ValueError(f"huge_pages must be True, False or None (the environment's {HUGE_PAGES_ENV}), "
-                             f"got {huge_pages!r}")
+        self.huge_pages = resolve_huge_pages(huge_pages)
         self.device_pool = device_pool
         self.page_size = page_size
         self.layout = layout

@@ -170,12 +170,25 @@ def huge_pages_note(mode: str | None = None, *, read: bool = True) -> str:
             "4 KiB pages (the zero-copy kernel moves scattered pages 0.02-0.045x slower, H200 run 91)")
 
 
+def resolve_huge_pages(huge_pages: bool | None) -> bool:
+    """``huge_pages`` as given (True or False), or :func:`huge_pages_default` for None; raises,
+    naming the value and the fix, for anything else or for True where the platform cannot ask."""
+    huge = huge_pages_default() if huge_pages is None else huge_pages
+    if not isinstance(huge, bool):
+        raise ValueError(f"huge_pages must be True, False or None (the environment's {HUGE_PAGES_ENV}), "
+                         f"got {huge_pages!r}")
+    if huge and not HUGE_PAGES_SUPPORTED:
+        raise ValueError("huge_pages=True but this platform cannot ask for huge pages (no MADV_HUGEPAGE); "
+                         "pass huge_pages=False")
+    return huge
+
+
 def _advised(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An empty CPU tensor in its own anonymous mapping, starting on a 2 MiB boundary and
     advised ``MADV_HUGEPAGE``: where transparent huge pages are ``always`` or ``madvise``,
     the kernel backs it with 2 MiB pages as it is first touched (here: when it is pinned).
     The tensor keeps the mapping alive."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not nbytes:
         return torch.empty(shape, dtype=dtype)
     m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -227,13 +240,7 @@ class HostBuffer:
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool | None = None,
                  huge_pages: bool | None = None):
-        huge = huge_pages_default() if huge_pages is None else huge_pages
-        if not isinstance(huge, bool):
-            raise ValueError(f"huge_pages must be True, False or None (the environment's {HUGE_PAGES_ENV}), "
-                             f"got {huge!r}")
-        if huge and not HUGE_PAGES_SUPPORTED:
-            raise ValueError("huge_pages=True but this platform cannot ask for huge pages (no MADV_HUGEPAGE); "
-                             "pass huge_pages=False")
+        huge = resolve_huge_pages(huge_pages)
         want = gpu_available() if pin is None else pin
         if want and not gpu_available():
             raise RuntimeError("pin=True needs CUDA; CPU-only torch cannot pin memory")

@@ -612,7 +612,6 @@ class PoolPlan(ChunkedPlan):
         self._pl, self._layers, self.n_items = pl, layers, int(host_idx.size)
         self._idx = np.array(host_idx, dtype=np.int64)
         self._dev = np.array(dev_idx, dtype=np.int64)
-        self._first = None
         self._max_pitch = max_pitch or MAX_PITCH
         self._calls: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._whole: DMAPlan | None = None
