@@ -315,6 +315,14 @@ def pages_to_tokens(pages: np.ndarray, page_size: int) -> np.ndarray:
     return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)
 
 
+def whole_page_rows(tokens: np.ndarray, page_size: int) -> np.ndarray:
+    """Per ``page_size`` consecutive entries of ``tokens`` (a whole number of them): whether
+    they are one page's slots, first to last (``p*page_size .. p*page_size+page_size-1``)."""
+    blocks = np.asarray(tokens).reshape(-1, page_size)
+    firsts = blocks[:, 0]
+    return (firsts % page_size == 0) & (blocks == firsts[:, None] + np.arange(page_size)).all(axis=1)
+
+
 def tokens_to_pages(tokens: np.ndarray, page_size: int, size: int) -> np.ndarray:
     """Page-expanded token indices -> page ids; raises unless they are whole pages."""
     if tokens.size % page_size:
@@ -328,14 +336,11 @@ def tokens_to_pages(tokens: np.ndarray, page_size: int, size: int) -> np.ndarray
     if page_size == 1:
         return tokens
     blocks = tokens.reshape(-1, page_size)
-    firsts = blocks[:, 0]
-    aligned = (firsts % page_size == 0) & (
-        blocks == firsts[:, None] + np.arange(page_size)
-    ).all(axis=1)
+    aligned = whole_page_rows(tokens, page_size)
     if not aligned.all():
         row = int(np.argmin(aligned))
         raise AllocatorError(
             f"indices {blocks[row].tolist()[:4]}... at position {row * page_size} are not "
             f"one whole page (expected p*{page_size} .. p*{page_size}+{page_size - 1})"
         )
-    return firsts // page_size
+    return blocks[:, 0] // page_size

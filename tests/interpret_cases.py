@@ -145,3 +145,67 @@ def test_compact_keeps_layout_order():
         pl = lay.placement(comp, 3, 64, 4)
         c = compact(pl, 64, 3)
         assert c == pl, name  # a full-size staging pool is the layout itself
+
+
+page_cases = st.tuples(
+    st.sampled_from(range(len(SPECS))), st.sampled_from(["layer_first", "page_first", "page_head"]),
+    st.sampled_from([2, 4, 8]), st.sampled_from([0, 16, 256, 8192]), st.integers(0, 2**31 - 1),
+    st.booleans(),
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(page_cases)
+def test_whole_pages_move_a_page_per_row(case):
+    """KernelConfig.page_rows: where the slot pairs are whole pages, the kernel copies each
+    page's run as one row (layer_first), and the bytes are those of the per-token copy; where
+    one pair breaks a page, the per-token rows are used, and are right too."""
+    from kvtier.transfer.base import TransferPart
+    from kvtier.transfer.kernel import KernelBackend, KernelConfig, page_part, whole_pages
+    si, layout, ps, cap, seed, broken = case
+    spec = SPECS[si]
+    if layout not in SUPPORTED[spec.kind]:
+        return
+    rng = np.random.default_rng(seed)
+    size, dsize, L = 12 * ps, 10 * ps, spec.layer_num
+    n_pages = int(rng.integers(1, 6))
+    h = _slots(rng.permutation(12), 12, ps, n_pages, False)
+    d = _slots(rng.permutation(10), 10, ps, n_pages, False)
+    if broken:  # one pair off its page's order: not whole pages any more
+        h[[0, 1]] = h[[1, 0]]
+    assert whole_pages(h, d, ps) == (not broken)
+    assert not whole_pages(h, d, 1) and not whole_pages(h[: ps - 1], d[: ps - 1], ps)
+    kb = KernelBackend(KernelConfig(page_chunk_bytes=cap))
+    parts, refs, devs = [], [], []
+    for comp in spec.components:
+        pl = LAYOUTS[layout].placement(comp, L, size, ps)
+        dev = torch.randint(0, 256, (L, dsize, comp.item_bytes), dtype=torch.uint8)
+        ref = torch.full((pl.total_bytes,), 0xA5, dtype=torch.uint8)
+        _reference(pl, ref, dev, h, d, range(L))
+        part = TransferPart(comp.name, torch.full_like(ref, 0xA5), pl, tuple(dev.unbind(0)))
+        paged = page_part(part, cap)
+        assert (paged is not None) == (layout == "layer_first"), layout
+        if paged is not None:
+            run = ps * comp.item_bytes
+            low = run & -run  # the largest power of two dividing the run
+            assert paged.host.chunk_bytes == (run if low < 16 or not cap else min(low, cap))
+            assert paged.host.n_chunks * paged.host.chunk_bytes == run
+        parts.append(part), refs.append(ref), devs.append(dev)
+    ht, dt = torch.from_numpy(h), torch.from_numpy(d)
+    moves = kb.moves(parts, ht, dt, h, d)
+    for (moved, _, _), part in zip(moves, parts):
+        assert (moved is not part) == (layout == "layer_first" and not broken)
+    # Backup, all layers, then a load of every layer into a poisoned device.
+    for move in moves:
+        kb.copy_part(*move, None, 8)
+    for part, ref in zip(parts, refs):
+        assert torch.equal(part.host_raw, ref)
+    outs = [torch.full_like(dev, 0x5A) for dev in devs]
+    back = [TransferPart(p.name, p.host_raw, p.host, tuple(o.unbind(0))) for p, o in zip(parts, outs)]
+    for layer in range(L):
+        for move in kb.moves(back, ht, dt, h, d):
+            kb.copy_part(*move, layer, 8)
+    rest = np.setdiff1d(np.arange(dsize), d)
+    for out, dev in zip(outs, devs):
+        assert torch.equal(out[:, d], dev[:, d])
+        assert (out[:, rest] == 0x5A).all()

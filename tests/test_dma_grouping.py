@@ -590,19 +590,20 @@ def test_dma_parts_get_the_slot_pairs_in_host_order_and_kernel_parts_the_callers
     dma = DMABackend(DMAConfig(sort_below=1 << 62))
     handed = []
     lazy = []
-    dma.runner = lambda parts, plans, hh, dd, quota=None, kernel_idx=None, lazy_dev=False: (
-        handed.append((hh, dd, kernel_idx)), lazy.append(lazy_dev))
+    dma.runner = lambda parts, plans, hh, dd, quota=None, kernel_idx=None, lazy_dev=False, kernel_np=None: (
+        handed.append((hh, dd, kernel_idx, kernel_np)), lazy.append(lazy_dev))
     s_np, runs, order = dma.in_host_order(parts, h, Runs.of(h))
-    dma.runner_for(parts, ["a DMA plan"], order, s_np, torch.from_numpy(h), d, lazy_dev=True)
+    known = (h, d.numpy())  # the caller's pairs in numpy: handed on as they are, for the kernel's parts
+    dma.runner_for(parts, ["a DMA plan"], order, s_np, torch.from_numpy(h), d, lazy_dev=True, kernel_np=known)
     assert lazy.pop() is True  # a load's device slots stay lazy through the reordering
-    hh, dd, kernel_idx = handed.pop()
+    hh, dd, kernel_idx, kernel_np = handed.pop()
     assert (np.diff(hh.numpy()) > 0).all()
     assert sorted(zip(hh.tolist(), dd.tolist())) == sorted(zip(h.tolist(), d.tolist()))
-    assert np.array_equal(kernel_idx[0].numpy(), h) and kernel_idx[1] is d
+    assert np.array_equal(kernel_idx[0].numpy(), h) and kernel_idx[1] is d and kernel_np is known
     for plans, o in (([None], order), (["a DMA plan"], None)):
-        dma.runner_for(parts, plans, o, s_np, torch.from_numpy(h), d)
-        hh, dd, kernel_idx = handed.pop()
-        assert np.array_equal(hh.numpy(), h) and dd is d and kernel_idx is None
+        dma.runner_for(parts, plans, o, s_np, torch.from_numpy(h), d, kernel_np=known)
+        hh, dd, kernel_idx, kernel_np = handed.pop()
+        assert np.array_equal(hh.numpy(), h) and dd is d and kernel_idx is None and kernel_np is known
 
 
 @given(layers=st.integers(1, 80), group=st.integers(1, 16), every=st.integers(0, 12))

@@ -119,6 +119,53 @@ def test_a_pool_on_huge_pages_is_pinned_and_round_trips(backend, layout):
     _round_trip_matches_direct(TransferEngine(host, backend), dev, host, layout, 16, "cpu", rng)
 
 
+@pytest.mark.parametrize("backend", ["kernel", "dma", "auto"])
+@pytest.mark.parametrize("name", ["mha_odd", "mla_fp8_656", "dsa"])
+@pytest.mark.parametrize("chunk", [0, 256, 8192])
+@pytest.mark.parametrize("broken", [False, True])
+def test_whole_pages_move_a_page_per_row_and_match_direct(backend, name, chunk, broken):
+    """KernelConfig.page_rows: where a layer_first transfer moves whole pages, the kernel's
+    parts (every part with ``kernel``, DSA's index-K with ``dma``) copy a page's run per row, cut
+    into ``chunk`` bytes; with one pair out of its page's order, a row per token. Every byte
+    either way, backup and load."""
+    from kvtier.transfer.auto import AutoBackend
+    from kvtier.transfer.dma import DMABackend, DMAConfig
+    from kvtier.transfer.kernel import KernelBackend, KernelConfig
+    spec, ps = SPECS[name], 16
+    dev, host = _pools(spec, ps, "layer_first")
+    host.validate_indices = not broken  # DSA refuses a broken page, which the check is about here
+    kb = KernelBackend(KernelConfig(page_chunk_bytes=chunk))
+    # DMA: every part by the kernel, through the DMA runner's kernel moves (as auto's kernel picks go).
+    dma = DMABackend(DMAConfig(kernel_below=1 << 40 if backend == "dma" else 0), fallback=kb)
+    eng = TransferEngine(host, {"kernel": kb, "dma": dma, "auto": AutoBackend(kb, dma)}[backend])
+    seen = []
+    real = KernelBackend.copy_part
+
+    def spy(self, part, h, d, layer, blocks):
+        seen.append(part.host.page_size)
+        return real(self, part, h, d, layer, blocks)
+    rng = np.random.default_rng(hash((backend, name, chunk, broken)) % 2**32)
+    KernelBackend.copy_part = spy
+    try:
+        if broken:
+            h = _pages(rng, host.page_num, 96 // ps, ps)
+            h[[3, 4]] = h[[4, 3]]
+            d = _pages(rng, dev.size // ps, 96 // ps, ps)
+            ref = host_pool_for(dev, "layer_first", host_size_tokens=host.size, validate_indices=False)
+            ref.backup_from_device_all_layer(dev, h, d, "direct")
+            eng.backup(h, d).synchronize()
+            for c in host.component_tensors:
+                assert torch.equal(host.raw_bytes(c), ref.raw_bytes(c)), c
+            ref.close()
+        else:
+            _round_trip_matches_direct(eng, dev, host, "layer_first", ps, "cpu", rng)
+    finally:
+        KernelBackend.copy_part = real
+    if backend != "auto":  # auto's choice is its own; its bytes are checked all the same
+        assert seen and set(seen) == ({ps} if broken else {1}), seen
+    host.close()
+
+
 @pytest.mark.parametrize("sort_slots", [True, False])
 @pytest.mark.parametrize("mode", ["every part by dma", "parts split", "every part by kernel"])
 @pytest.mark.parametrize("name,layout,ps", [("mha_odd", "page_first", 1), ("mha_fp8", "page_head", 16),

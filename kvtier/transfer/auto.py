@@ -28,7 +28,7 @@ from .base import Backend, TransferPart
 from .cudart import has_batch, memcpy2d, memcpy_batch
 from .dma import DMABackend
 from .dma_plan import DMAPlan, Runs
-from .kernel import KernelBackend, check_mapped, host_numpy
+from .kernel import KernelBackend, check_mapped, host_numpy, numpy_if_host
 from .online import DUPLEX, OnlineChooser, PendingTimings, shape_key
 from .timing import event_seconds
 from .triton_kernels import copy_items, layer_ptr_table
@@ -229,10 +229,12 @@ class AutoBackend(Backend):
         if choice == "dma":
             s_np, s_runs, order = for_dma()
             plans = self.dma.plan_parts(parts, s_np, s_runs, order, to_host, whole, dev_np)
-            inner = self.dma.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota, lazy_dev=not to_host)
+            inner = self.dma.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota, lazy_dev=not to_host,
+                                        kernel_np=(host_np, numpy_if_host(dev_idx, dev_np)))
         else:
             plans = [None] * len(parts)
-            inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota)
+            inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota,
+                                    kernel_np=(host_np, numpy_if_host(dev_idx, dev_np)))
         self.last_choice = ["kernel" if p is None else "dma" for p in plans]
         state = {"bytes": 0}
         # In flight from now: a backup's copies may be queued later, by the engine's

@@ -38,7 +38,7 @@ from .cudart import has_batch, memcpy2d, memcpy_batch
 from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, HostOrder, LayerChunkedPlan, PoolPlan,
                        Runs, choose_group, dma_capable, grouped_plan, layer_major, mean_copy_bound, narrow_layer_rows,
                        pool_placement, pool_row_bytes, run_class)
-from .kernel import KernelBackend, PartTables, check_mapped, host_numpy, on_device
+from .kernel import KernelBackend, PartTables, check_mapped, host_numpy, numpy_if_host, on_device
 from .timing import event_seconds
 from .triton_kernels import copy_items
 from ..validate import require_positive_int
@@ -401,7 +401,8 @@ class DMABackend(Backend):
         host_np = host_numpy(host_idx) if host_np is None else host_np
         s_np, runs, order = self.in_host_order(parts, host_np, Runs.of(host_np))
         plans = self.plan_parts(parts, s_np, runs, order, to_host, whole, dev_np)
-        return self.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota, lazy_dev=not to_host)
+        return self.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota, lazy_dev=not to_host,
+                               kernel_np=(host_np, numpy_if_host(dev_idx, dev_np)))
 
     def plan_parts(self, parts, s_np: np.ndarray, runs: Runs, order: np.ndarray | None, to_host: bool,
                    whole: bool = True, dev_np: np.ndarray | None = None) -> list:
@@ -424,21 +425,25 @@ class DMABackend(Backend):
         return (host_np, runs, None) if o is None else (o.slots, Runs.of(o.slots), o.order)
 
     def runner_for(self, parts, plans, order: np.ndarray | None, s_np: np.ndarray, host_idx: torch.Tensor,
-                   dev_idx: torch.Tensor, block_quota: int | None = None, lazy_dev: bool = False):
+                   dev_idx: torch.Tensor, block_quota: int | None = None, lazy_dev: bool = False,
+                   kernel_np: tuple | None = None):
         """:meth:`runner` for ``plans`` made with ``(s_np, _, order) = in_host_order(...)``: DMA
         parts move the slot pairs in that order, kernel parts in the caller's. The device slots
         are permuted only here, and only when some part goes by DMA."""
         if order is None or not any(_staged(p) for p in plans):  # pool plans carry their own slots
-            return self.runner(parts, plans, host_idx, dev_idx, block_quota, lazy_dev=lazy_dev)
+            return self.runner(parts, plans, host_idx, dev_idx, block_quota, lazy_dev=lazy_dev, kernel_np=kernel_np)
         sel = torch.from_numpy(order)
         dev = dev_idx.to(torch.int64)
         dev = dev[on_device(sel, dev.device)] if dev.device.type == "cuda" else dev[sel]
         return self.runner(parts, plans, torch.from_numpy(s_np), dev, block_quota, kernel_idx=(host_idx, dev_idx),
-                           lazy_dev=lazy_dev)
+                           lazy_dev=lazy_dev, kernel_np=kernel_np)
 
-    def runner(self, parts, plans, host_idx, dev_idx, block_quota=None, kernel_idx=None, lazy_dev: bool = False):
+    def runner(self, parts, plans, host_idx, dev_idx, block_quota=None, kernel_idx=None, lazy_dev: bool = False,
+               kernel_np: tuple | None = None):
         """``run(layer)`` for these plans (None: that part goes through the kernel, with the
-        slot pairs ``kernel_idx``, default ``host_idx, dev_idx``: the caller's order).
+        slot pairs ``kernel_idx``, default ``host_idx, dev_idx``: the caller's order;
+        ``kernel_np``: those pairs in numpy, if the caller has them, so whole pages move a
+        page per row, :meth:`.KernelBackend.moves`).
 
         ``lazy_dev`` (loads): the device slots reach the device when a DMA part first needs
         them, for its first scatter, after its first chunk's copies are queued; so the copy
@@ -460,6 +465,11 @@ class DMABackend(Backend):
         k_h, k_d = kernel_idx or (host_idx, dev_idx)
         h = on_device(k_h, device) if any(p is None for p in plans) else None
         d_kernel = (on_device(k_d, device) if k_d is not dev_idx else d_of()) if h is not None else None
+        kernel = {}  # part index: (part, host slots, device slots) as the kernel moves it
+        if h is not None:
+            ks = [k for k, p in enumerate(plans) if p is None]
+            kernel = dict(zip(ks, self.fallback.moves([parts[k] for k in ks], h, d_kernel,
+                                                      *(kernel_np or (None, None)))))
         blocks = self.fallback._blocks(block_quota)
         # A load's layers between drains, from the bytes one layer of it moves by DMA.
         every = drain_every(self.config.load_drain, self.config.load_drain_bytes,
@@ -485,9 +495,8 @@ class DMABackend(Backend):
                 t.record_stream(ks)
             used = 0
             with torch.cuda.stream(ks):
-                for part, p in zip(parts, plans):
-                    if p is None:
-                        used = max(used, self.fallback.copy_part(part, h, d_kernel, None, blocks))
+                for move in kernel.values():
+                    used = max(used, self.fallback.copy_part(*move, None, blocks))
             aside.extend((ks, used))
 
         def join_aside() -> None:
@@ -503,7 +512,7 @@ class DMABackend(Backend):
                 for k, (part, p) in enumerate(zip(parts, plans)):
                     if p is None:
                         if not beside:
-                            used = max(used, self.fallback.copy_part(part, h, d_kernel, layer, blocks))
+                            used = max(used, self.fallback.copy_part(*kernel[k], layer, blocks))
                         continue
                     if layer is None:
                         self.run_part(part, p, d_of, None, first=ahead[0][1] if ahead[0] and ahead[0][0] == k else 0)

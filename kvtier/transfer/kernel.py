@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
+from ..allocator import whole_page_rows
 from .base import Backend, TransferPart
 from ..layouts import Placement
 from .triton_kernels import WordPlan, copy_items, fetch_index, interpreting, layer_ptr_table, layers_gcd
@@ -27,10 +29,63 @@ DEFAULT_MAX_BLOCKS = 32
 
 @dataclass(frozen=True)
 class KernelConfig:
+    """``max_blocks``: SMs a transfer may occupy when the caller names no quota.
+
+    ``page_rows``: where a transfer moves whole pages (every ``page_size`` consecutive slot
+    pairs one aligned page on both sides, as allocators hand them out and as DSA always
+    moves them) and the layout keeps a page's tokens together within a layer
+    (``layer_first``), the kernel copies each page's run as one row, cut into chunks of at
+    most ``page_chunk_bytes`` (a power of two dividing the run; 0: the whole run), instead
+    of one row per token. Rows of 132 bytes (DSA's index-K) then move in 16-byte words,
+    not 4-byte ones, and the kernel reads one slot number per page.
+    """
+
     max_blocks: int = DEFAULT_MAX_BLOCKS
+    page_rows: bool = True
+    page_chunk_bytes: int = 8192
 
     def __post_init__(self) -> None:
         require_positive_int("max_blocks", self.max_blocks)
+        if not isinstance(self.page_rows, bool):
+            raise ValueError(f"KernelConfig.page_rows must be True or False, got {self.page_rows!r}")
+        c = self.page_chunk_bytes
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0 or (c and c & (c - 1)):
+            raise ValueError(
+                f"KernelConfig.page_chunk_bytes must be 0 (a whole page run per row) or a power of two, got {c!r}"
+            )
+
+
+def whole_pages(host_np, dev_np, page_size: int) -> bool:
+    """True when the slot pairs come as whole pages: every ``page_size`` consecutive entries of
+    ``host_np`` and of ``dev_np`` are the slots of one page, first to last (False without both)."""
+    if page_size <= 1 or host_np is None or dev_np is None:
+        return False
+    n = len(host_np)
+    if n == 0 or n % page_size or len(dev_np) != n:
+        return False
+    return bool(whole_page_rows(host_np, page_size).all() and whole_page_rows(dev_np, page_size).all())
+
+
+def page_part(part: TransferPart, chunk_cap: int) -> TransferPart | None:
+    """``part`` seen one page per slot: a page's tokens of one layer as one row, on the host
+    and on the device; None where the layout does not keep them together (page_first,
+    page_head) or a device layer is not a plain ``(slots, item_bytes)`` array.
+    The row is cut into chunks: the largest power of two dividing it, at most ``chunk_cap``
+    (0: no cut), or the whole row where that power is under 16 bytes."""
+    pl = part.host
+    ps, item = pl.page_size, pl.item_bytes
+    if ps <= 1 or pl.n_chunks != 1 or pl.token != item:
+        return None
+    layers = []
+    for t in part.device_layers:
+        if t.dim() != 2 or t.stride() != (item, 1):
+            return None
+        layers.append(t[: t.shape[0] - t.shape[0] % ps].view(-1, ps * item))
+    run = ps * item
+    chunk = run & -run
+    chunk = run if chunk < 16 or not chunk_cap else min(chunk, chunk_cap)
+    paged = Placement(1, pl.page, pl.page, pl.layer_stride, chunk, chunk, run // chunk, pl.layer_num, pl.total_bytes)
+    return replace(part, host=paged, device_layers=tuple(layers))
 
 
 class PartTables:
@@ -47,9 +102,16 @@ class PartTables:
         hit = self._tables.get(key)
         if hit is None or hit[0]() is not part:
             hit = (weakref.ref(part, functools.partial(_forget, self._tables, key)),
-                   layer_ptr_table(part.device_layers, device), layers_gcd(part.device_layers))
+                   layer_ptr_table(part.device_layers, device), layers_gcd(part.device_layers), {})
             self._tables[key] = hit
         return hit
+
+    def paged(self, part: TransferPart, chunk_cap: int) -> TransferPart | None:
+        """:func:`page_part` of ``part``, made once per part and cap (its own tables with it)."""
+        seen = self._hit(part, part.device_layers[0].device)[3]
+        if chunk_cap not in seen:
+            seen[chunk_cap] = page_part(part, chunk_cap)
+        return seen[chunk_cap]
 
     def get(self, part: TransferPart, device: torch.device) -> torch.Tensor:
         return self._hit(part, device)[1]
@@ -68,6 +130,13 @@ def _forget(tables: dict, key: int, ref: weakref.ref) -> None:
     hit = tables.get(key)
     if hit is not None and hit[0] is ref:
         tables.pop(key, None)
+
+
+def numpy_if_host(idx: torch.Tensor, known):
+    """``known`` if given, else ``idx`` as numpy where that needs no device read (else None)."""
+    if known is not None or idx.device.type != "cpu":
+        return known
+    return idx.numpy()
 
 
 def on_device(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -128,16 +197,33 @@ class KernelBackend(Backend):
     def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None, host_np=None,
                 dev_np=None):
         """Checks and index copies done once; returns ``run(layer)`` (``layer=None`` for a backup).
-        ``host_np`` and ``dev_np`` (the indices read back, as the other backends take them) are not needed."""
+        ``host_np`` and ``dev_np``: the indices read back, if the caller has them (else read
+        here from host tensors, never from device ones): whole pages then move a page per row
+        (:attr:`KernelConfig.page_rows`)."""
         for part in parts:
             check_mapped(part)
         blocks = self._blocks(block_quota)
         device = parts[0].device_layers[0].device
         h, d = on_device(host_idx, device), on_device(dev_idx, device)
+        todo = self.moves(parts, h, d, numpy_if_host(host_idx, host_np), numpy_if_host(dev_idx, dev_np))
 
         def run(layer):
-            self.last_blocks = max(self.copy_part(part, h, d, layer, blocks) for part in parts)
+            self.last_blocks = max(self.copy_part(part, ph, pd, layer, blocks) for part, ph, pd in todo)
         return run
+
+    def moves(self, parts, h: torch.Tensor, d: torch.Tensor, host_np=None, dev_np=None) -> list:
+        """``(part, host slots, device slots)`` for each part, the slots on the device: as
+        given, or, where the pairs (``host_np``, ``dev_np``: the same in numpy) are whole
+        pages and the part's layout allows (:func:`page_part`), the part seen a page per
+        slot and the page numbers."""
+        pages = {}
+        if self.config.page_rows and whole_pages(host_np, dev_np, parts[0].host.page_size):
+            pages = {i: q for i, p in enumerate(parts) if (q := self.tables.paged(p, self.config.page_chunk_bytes))}
+        if not pages:
+            return [(p, h, d) for p in parts]
+        ps = parts[0].host.page_size
+        hp, dp = (torch.div(t[::ps], ps, rounding_mode="floor") for t in (h, d))
+        return [(pages[i], hp, dp) if i in pages else (p, h, d) for i, p in enumerate(parts)]
 
     def copy_part(self, part: TransferPart, h: torch.Tensor, d: torch.Tensor, layer: int | None,
                   blocks: int) -> int:
