@@ -24,7 +24,7 @@ import torch
 from .allocator import AllocatorError, PageAllocator, tokens_to_pages
 from .device_pool import as_rows, layer_attr
 from .layouts import HostLayout, Placement, get_layout
-from .memory import GB, HostBuffer, check_host_memory, gpu_available, resolve_huge_pages
+from .memory import GB, HostBuffer, check_host_memory, gpu_available, huge_page_bytes, resolve_huge_pages
 from .spec import DSA, MHA, MLA, KVSpec
 from .transfer.base import TransferPart, get_backend
 from .transfer import direct as _direct  # noqa: F401  (registers the direct backend)
@@ -130,6 +130,13 @@ class HostKVCache:
 
     def get_size_per_token(self) -> int:
         return self.size_per_token
+
+    def huge_page_share(self) -> float:
+        """The share of this pool's bytes the kernel backs with transparent huge pages now
+        (0 where that cannot be read; ``/proc/self/smaps``, a few milliseconds)."""
+        tensors = [b.tensor for b in self._buffers]  # one per mapping (MHA's K and V share one)
+        held = sum(t.numel() * t.element_size() for t in tensors)
+        return sum(huge_page_bytes(t) for t in tensors) / held if held else 0.0
 
     def close(self) -> None:
         """Unpin the host memory now rather than at garbage collection."""

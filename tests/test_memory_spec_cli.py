@@ -215,3 +215,30 @@ def test_the_transparent_huge_page_setting_is_read_and_explained(tmp_path, text,
         assert "4 KiB pages" in note and "slower" in note
     monkeypatch.setenv(memory.HUGE_PAGES_ENV, "0")
     assert "do not ask" in memory.huge_pages_note(mode, read=False)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla", "dsa"])
+def test_a_host_pools_huge_page_share_counts_each_mapping_once(kind):
+    """``HostPool.huge_page_share``: MHA's K and V lie in one mapping, DSA's parts in two;
+    each mapping's huge pages count once, so the share is a share (it read 200% for MHA,
+    counting the shared mapping once per component), and it is what smaps says of the
+    pool's mappings (huge pages fill the buffers here where the kernel's setting allows)."""
+    if not memory.HUGE_PAGES_SUPPORTED:
+        pytest.skip("this platform cannot ask for huge pages")
+    from kvtier.device_pool import pool_from_spec
+    from kvtier.host_pool import host_pool_for
+    spec = {"mha": KVSpec("mha", 2, torch.bfloat16, head_num=8, head_dim=128),
+            "mla": KVSpec("mla", 2, torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64),
+            "dsa": KVSpec("dsa", 2, torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)}[kind]
+    dev = pool_from_spec(spec, 64, 64, "cpu")
+    host = host_pool_for(dev, "layer_first", host_size_tokens=4096, huge_pages=True)
+    for name in host.component_tensors:
+        host.raw_bytes(name).fill_(1)  # touched: the kernel backs what it can
+    share = host.huge_page_share()
+    buffers = [b.tensor for b in host._buffers]
+    held = sum(t.numel() * t.element_size() for t in buffers)
+    assert 0 <= share <= 1
+    assert share == sum(memory.huge_page_bytes(t) for t in buffers) / held
+    if memory.thp_mode() == "always" or memory.thp_mode() == "madvise":
+        assert share > 0, "a touched pool of several MiB, advised, got no huge pages"
+    host.close()

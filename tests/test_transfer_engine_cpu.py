@@ -197,14 +197,17 @@ def test_bench_rounds_time_every_row_that_many_times_and_report_the_median():
     from kvtier.bench.transfer import run_bench
     seen = []
 
-    def on_row(rows, groups=None, picks=None, final=False, samples="", rounds=None):
+    def on_row(rows, groups=None, picks=None, final=False, samples="", rounds=None, huge=None):
         if not final:
-            seen.append((rows[-1], rounds))
+            seen.append((rows[-1], rounds, huge))
     rows = run_bench(256, 1, ("direct",), ("mla",), (16,), 4, progress=False, on_row=on_row, rounds=3)
     timed = [r for r in rows if r.kind != "all"]
     assert len(timed) == len(seen) == 2 * 2 * 3   # layouts x host slots x directions
-    for row, rounds in seen:
+    from kvtier.memory import huge_pages_default
+    for row, rounds, huge in seen:
         assert len(rounds) == 3 and all(g > 0 for g in rounds)
+        # each row says how much of its host pool the kernel backs with huge pages
+        assert (huge is None) == (not huge_pages_default()) and (huge is None or 0 <= huge <= 1)
         assert abs(row.gbps - float(np.median(rounds))) <= 0.011   # both rounded to 0.01
     from kvtier.bench.transfer import round_order
     assert [round_order(["kernel", "dma", "auto"], r) for r in range(3)] == [

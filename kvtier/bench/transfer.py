@@ -207,7 +207,8 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
     ``samples`` the timed samples auto holds for the shapes the row added to (:func:`sample_note`).
     ``rounds``: each case's backends and directions are timed that many times over, in turn
     (:func:`round_order`), and a row is the median of its rounds (``on_row`` also gets them,
-    ``rounds=[GB/s, ...]``). The same backend timed twice in one H200 run moved by up to 0.085x
+    ``rounds=[GB/s, ...]``; and ``huge``, the share of the case's host pool in huge pages, where
+    it asked for them). The same backend timed twice in one H200 run moved by up to 0.085x
     one way and 0.13x for a backup and a load at once, and pairs drifted down as a case was
     timed (run 30: the second timing 0.05x lower, median): rounds spread that over every
     backend alike.
@@ -228,6 +229,9 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
     limits = None
     for kind, layout, ps in combos:
         case = Case(kind, layout, ps, tokens, device, layers)
+        # Whether this case's host pool got the huge pages it asked for: the kernel's rows
+        # depend on it, and a process that has made and dropped many pools may get fewer.
+        huge = case.host.huge_page_share() if case.host.huge_pages else None
         if limits is None:
             nbytes = case.nbytes
             limits = contiguous_limit(nbytes, clock, reps)
@@ -279,6 +283,8 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                         extra = {"rounds": [round(x, 2) for x in g]} if rounds > 1 else {}
                         if pair:
                             extra["pair"] = pair
+                        if huge is not None:
+                            extra["huge"] = huge
                         on_row(rows, groups, picks[(backend, direction)], samples=samples, **extra)
         case.host.close()
         del case
@@ -440,7 +446,7 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
         tokens, reps = 256, 1
     start = time.perf_counter()
 
-    def save(rows, groups=None, picks=None, final=False, samples="", rounds=None, pair=""):
+    def save(rows, groups=None, picks=None, final=False, samples="", rounds=None, pair="", huge=None):
         if verbose and final:
             lim = {r.direction: r.gbps for r in rows if r.kind == "all"}
             click.echo(f"limits, best of the start and the end of the run: {lim}", err=True)
@@ -455,6 +461,8 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
                 extra += f" rounds={rounds}"
             if pair:
                 extra += f" pair_ms=[{pair}]"
+            if huge is not None:
+                extra += f" host_huge={huge:.0%}"
             click.echo(f"[{time.perf_counter() - start:6.1f}s] {r.kind} {r.layout} p{r.page_size} {r.direction} "
                        f"{r.host_slots} {r.backend}: {r.gbps} GB/s ({r.ratio}x) sms={r.sms}{extra}", err=True)
         if json_path:

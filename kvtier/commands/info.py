@@ -9,7 +9,7 @@ import click
 import torch
 
 from ..layouts import LAYOUTS, SUPPORTED
-from ..memory import GB, host_memory, huge_page_bytes, huge_pages_default, huge_pages_note, thp_mode
+from ..memory import GB, host_memory, huge_pages_default, huge_pages_note, thp_mode
 from ..spec import KVSpec
 from .shape import shape_options
 
@@ -66,12 +66,11 @@ def roundtrip(spec: KVSpec, page_size: int, tokens: int, reserve: int | None) ->
             torch.equal(dev.stacks[n][:, dst].view(torch.uint8), before[n].view(torch.uint8)) for n in before
         )
         nbytes = tokens * spec.bytes_per_token
-        held = sum(t.numel() * t.element_size() for t in host.component_tensors.values())
         results[layout] = {
             "identical": same,
             "backup_gbps": nbytes / (t1 - t0) / GB,
             "load_gbps": nbytes / (t2 - t1) / GB,
-            "huge_page_share": sum(huge_page_bytes(t) for t in host.component_tensors.values()) / held,
+            "huge_page_share": host.huge_page_share(),
         }
         host.free(h)
     return {"tokens": tokens, "bytes": tokens * spec.bytes_per_token, "layouts": results}
