@@ -512,6 +512,42 @@ def test_dma_through_the_seed_api_on_the_default_stream():
     host.close()
 
 
+@pytest.mark.parametrize("idx_device", ["cpu", "cuda"])
+def test_the_seed_api_moves_whole_pages_a_page_per_row_from_host_indices(idx_device):
+    """Through the seed's calls (no engine, so no numpy indices handed on) the kernel reads
+    host index tensors itself to find whole pages; device index tensors it does not read
+    back (that would wait on the GPU), so those go a row per token. Every byte either way."""
+    from kvtier.transfer.kernel import KernelBackend
+    spec, ps = SPECS["dsa"], 16
+    dev, host = _pools(spec, ps, "layer_first")
+    ref = host_pool_for(dev, "layer_first", host_size_tokens=host.size)
+    rng = np.random.default_rng(11)
+    h, d = _pages(rng, host.page_num, 6, ps), _pages(rng, dev.size // ps // 2, 6, ps)
+    seen = []
+    real = KernelBackend.copy_part
+
+    def spy(self, part, hh, dd, layer, blocks):
+        seen.append(part.host.page_size)
+        return real(self, part, hh, dd, layer, blocks)
+    KernelBackend.copy_part = spy
+    try:
+        host.backup_from_device_all_layer(dev, h.to(idx_device), d.to(idx_device), "kernel")
+        d2 = d + dev.size // 2
+        for layer in range(spec.layer_num):
+            host.load_to_device_per_layer(dev, h.to(idx_device), d2.to(idx_device), layer, "kernel")
+    finally:
+        KernelBackend.copy_part = real
+    torch.cuda.synchronize()
+    ref.backup_from_device_all_layer(dev, h, d, "direct")
+    for c in host.component_tensors:
+        assert torch.equal(host.raw_bytes(c), ref.raw_bytes(c)), c
+    for st in dev.stacks.values():
+        assert torch.equal(_b(st[:, d2.cuda()]), _b(st[:, d.cuda()]))
+    assert set(seen) == ({1} if idx_device == "cpu" else {ps}), seen
+    host.close()
+    ref.close()
+
+
 def test_auto_files_concurrent_samples_under_duplex_keys():
     """A backup and a load that overlap in time (~256 MiB each) are sampled under duplex keys."""
     from kvtier.transfer.online import DUPLEX
