@@ -147,6 +147,29 @@ def test_compact_keeps_layout_order():
         assert c == pl, name  # a full-size staging pool is the layout itself
 
 
+def _drawn(ps: int, seed: int):
+    """Scattered host and device pages (1-5) of ``ps`` slots, from pools of 12 and 10 pages."""
+    rng = np.random.default_rng(seed)
+    n_pages = int(rng.integers(1, 6))
+    return _slots(rng.permutation(12), 12, ps, n_pages, False), _slots(rng.permutation(10), 10, ps, n_pages, False)
+
+
+def _parts_and_reference(spec, layout, ps, h, d):
+    """Per component: a TransferPart over a poisoned host buffer (12 pages) and random device
+    rows (10 pages), the host bytes the direct copy of pairs ``h``, ``d`` would leave, and the
+    device rows."""
+    from kvtier.transfer.base import TransferPart
+    parts, refs, devs = [], [], []
+    for comp in spec.components:
+        pl = LAYOUTS[layout].placement(comp, spec.layer_num, 12 * ps, ps)
+        dev = torch.randint(0, 256, (spec.layer_num, 10 * ps, comp.item_bytes), dtype=torch.uint8)
+        ref = torch.full((pl.total_bytes,), 0xA5, dtype=torch.uint8)
+        _reference(pl, ref, dev, h, d, range(spec.layer_num))
+        parts.append(TransferPart(comp.name, torch.full_like(ref, 0xA5), pl, tuple(dev.unbind(0))))
+        refs.append(ref), devs.append(dev)
+    return parts, refs, devs
+
+
 page_cases = st.tuples(
     st.sampled_from(range(len(SPECS))), st.sampled_from(["layer_first", "page_first", "page_head"]),
     st.sampled_from([2, 4, 8]), st.sampled_from([0, 16, 256, 8192]), st.integers(0, 2**31 - 1),
@@ -166,23 +189,15 @@ def test_whole_pages_move_a_page_per_row(case):
     spec = SPECS[si]
     if layout not in SUPPORTED[spec.kind]:
         return
-    rng = np.random.default_rng(seed)
-    size, dsize, L = 12 * ps, 10 * ps, spec.layer_num
-    n_pages = int(rng.integers(1, 6))
-    h = _slots(rng.permutation(12), 12, ps, n_pages, False)
-    d = _slots(rng.permutation(10), 10, ps, n_pages, False)
+    dsize, L = 10 * ps, spec.layer_num
+    h, d = _drawn(ps, seed)
     if broken:  # one pair off its page's order: not whole pages any more
         h[[0, 1]] = h[[1, 0]]
     assert whole_pages(h, d, ps) == (not broken)
     assert not whole_pages(h, d, 1) and not whole_pages(h[: ps - 1], d[: ps - 1], ps)
     kb = KernelBackend(KernelConfig(page_chunk_bytes=cap))
-    parts, refs, devs = [], [], []
-    for comp in spec.components:
-        pl = LAYOUTS[layout].placement(comp, L, size, ps)
-        dev = torch.randint(0, 256, (L, dsize, comp.item_bytes), dtype=torch.uint8)
-        ref = torch.full((pl.total_bytes,), 0xA5, dtype=torch.uint8)
-        _reference(pl, ref, dev, h, d, range(L))
-        part = TransferPart(comp.name, torch.full_like(ref, 0xA5), pl, tuple(dev.unbind(0)))
+    parts, refs, devs = _parts_and_reference(spec, layout, ps, h, d)
+    for comp, part in zip(spec.components, parts):
         paged = page_part(part, cap)
         assert (paged is not None) == (layout == "layer_first"), layout
         if paged is not None:
@@ -190,7 +205,6 @@ def test_whole_pages_move_a_page_per_row(case):
             low = run & -run  # the largest power of two dividing the run
             assert paged.host.chunk_bytes == (run if low < 16 or not cap else min(low, cap))
             assert paged.host.n_chunks * paged.host.chunk_bytes == run
-        parts.append(part), refs.append(ref), devs.append(dev)
     ht, dt = torch.from_numpy(h), torch.from_numpy(d)
     moves = kb.moves(parts, ht, dt, h, d)
     for (moved, _, _), part in zip(moves, parts):
@@ -209,3 +223,33 @@ def test_whole_pages_move_a_page_per_row(case):
     for out, dev in zip(outs, devs):
         assert torch.equal(out[:, d], dev[:, d])
         assert (out[:, rest] == 0x5A).all()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(range(len(SPECS))), st.sampled_from(["layer_first", "page_first", "page_head"]),
+       st.sampled_from([1, 4]), st.integers(0, 2**31 - 1), st.booleans())
+def test_backups_move_in_host_slot_order_and_loads_as_given(si, layout, ps, seed, host_order):
+    """KernelConfig.host_order: a backup's pairs are handed to the kernel sorted by host slot
+    (device slots permuted alike), a load's as given, and every byte lands where the caller's
+    pairs say, either way."""
+    from kvtier.transfer.kernel import KernelBackend, KernelConfig
+    spec = SPECS[si]
+    if layout not in SUPPORTED[spec.kind]:
+        return
+    h, d = _drawn(ps, seed)
+    kb = KernelBackend(KernelConfig(host_order=host_order, page_rows=False))
+    ht, dt = torch.from_numpy(h), torch.from_numpy(d)
+    parts, refs, devs = _parts_and_reference(spec, layout, ps, h, d)
+    backup = kb.moves(parts, ht, dt, h, d, to_host=True)
+    for _, mh, md in backup:
+        if host_order:
+            assert (np.diff(mh.numpy()) > 0).all()
+        else:
+            assert torch.equal(mh, ht)
+        assert sorted(zip(mh.tolist(), md.tolist())) == sorted(zip(h.tolist(), d.tolist()))
+    for move in backup:
+        kb.copy_part(*move, None, 8)
+    for part, ref in zip(parts, refs):
+        assert torch.equal(part.host_raw, ref)
+    for _, mh, md in kb.moves(parts, ht, dt, h, d, to_host=False):
+        assert torch.equal(mh, ht) and torch.equal(md, dt)

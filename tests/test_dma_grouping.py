@@ -590,12 +590,15 @@ def test_dma_parts_get_the_slot_pairs_in_host_order_and_kernel_parts_the_callers
     dma = DMABackend(DMAConfig(sort_below=1 << 62))
     handed = []
     lazy = []
-    dma.runner = lambda parts, plans, hh, dd, quota=None, kernel_idx=None, lazy_dev=False, kernel_np=None: (
-        handed.append((hh, dd, kernel_idx, kernel_np)), lazy.append(lazy_dev))
+    dma.runner = lambda parts, plans, hh, dd, quota=None, kernel_idx=None, lazy_dev=False, kernel_np=None, to_host=False: (
+        handed.append((hh, dd, kernel_idx, kernel_np)), lazy.append((lazy_dev, to_host)))
     s_np, runs, order = dma.in_host_order(parts, h, Runs.of(h))
     known = (h, d.numpy())  # the caller's pairs in numpy: handed on as they are, for the kernel's parts
     dma.runner_for(parts, ["a DMA plan"], order, s_np, torch.from_numpy(h), d, lazy_dev=True, kernel_np=known)
-    assert lazy.pop() is True  # a load's device slots stay lazy through the reordering
+    assert lazy.pop() == (True, False)  # a load's device slots stay lazy through the reordering
+    dma.runner_for(parts, ["a DMA plan"], order, s_np, torch.from_numpy(h), d, kernel_np=known, to_host=True)
+    assert lazy.pop() == (False, True)  # a backup's direction reaches the kernel parts (host order)
+    handed.pop()
     hh, dd, kernel_idx, kernel_np = handed.pop()
     assert (np.diff(hh.numpy()) > 0).all()
     assert sorted(zip(hh.tolist(), dd.tolist())) == sorted(zip(h.tolist(), d.tolist()))

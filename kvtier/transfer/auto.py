@@ -230,11 +230,11 @@ class AutoBackend(Backend):
             s_np, s_runs, order = for_dma()
             plans = self.dma.plan_parts(parts, s_np, s_runs, order, to_host, whole, dev_np)
             inner = self.dma.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota, lazy_dev=not to_host,
-                                        kernel_np=(host_np, numpy_if_host(dev_idx, dev_np)))
+                                        kernel_np=(host_np, numpy_if_host(dev_idx, dev_np)), to_host=to_host)
         else:
             plans = [None] * len(parts)
             inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota,
-                                    kernel_np=(host_np, numpy_if_host(dev_idx, dev_np)))
+                                    kernel_np=(host_np, numpy_if_host(dev_idx, dev_np)), to_host=to_host)
         self.last_choice = ["kernel" if p is None else "dma" for p in plans]
         state = {"bytes": 0}
         # In flight from now: a backup's copies may be queued later, by the engine's

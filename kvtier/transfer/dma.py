@@ -402,7 +402,7 @@ class DMABackend(Backend):
         s_np, runs, order = self.in_host_order(parts, host_np, Runs.of(host_np))
         plans = self.plan_parts(parts, s_np, runs, order, to_host, whole, dev_np)
         return self.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota, lazy_dev=not to_host,
-                               kernel_np=(host_np, numpy_if_host(dev_idx, dev_np)))
+                               kernel_np=(host_np, numpy_if_host(dev_idx, dev_np)), to_host=to_host)
 
     def plan_parts(self, parts, s_np: np.ndarray, runs: Runs, order: np.ndarray | None, to_host: bool,
                    whole: bool = True, dev_np: np.ndarray | None = None) -> list:
@@ -426,24 +426,26 @@ class DMABackend(Backend):
 
     def runner_for(self, parts, plans, order: np.ndarray | None, s_np: np.ndarray, host_idx: torch.Tensor,
                    dev_idx: torch.Tensor, block_quota: int | None = None, lazy_dev: bool = False,
-                   kernel_np: tuple | None = None):
+                   kernel_np: tuple | None = None, to_host: bool = False):
         """:meth:`runner` for ``plans`` made with ``(s_np, _, order) = in_host_order(...)``: DMA
         parts move the slot pairs in that order, kernel parts in the caller's. The device slots
         are permuted only here, and only when some part goes by DMA."""
         if order is None or not any(_staged(p) for p in plans):  # pool plans carry their own slots
-            return self.runner(parts, plans, host_idx, dev_idx, block_quota, lazy_dev=lazy_dev, kernel_np=kernel_np)
+            return self.runner(parts, plans, host_idx, dev_idx, block_quota, lazy_dev=lazy_dev, kernel_np=kernel_np,
+                               to_host=to_host)
         sel = torch.from_numpy(order)
         dev = dev_idx.to(torch.int64)
         dev = dev[on_device(sel, dev.device)] if dev.device.type == "cuda" else dev[sel]
         return self.runner(parts, plans, torch.from_numpy(s_np), dev, block_quota, kernel_idx=(host_idx, dev_idx),
-                           lazy_dev=lazy_dev, kernel_np=kernel_np)
+                           lazy_dev=lazy_dev, kernel_np=kernel_np, to_host=to_host)
 
     def runner(self, parts, plans, host_idx, dev_idx, block_quota=None, kernel_idx=None, lazy_dev: bool = False,
-               kernel_np: tuple | None = None):
+               kernel_np: tuple | None = None, to_host: bool = False):
         """``run(layer)`` for these plans (None: that part goes through the kernel, with the
         slot pairs ``kernel_idx``, default ``host_idx, dev_idx``: the caller's order;
         ``kernel_np``: those pairs in numpy, if the caller has them, so whole pages move a
-        page per row, :meth:`.KernelBackend.moves`).
+        page per row and a backup's (``to_host``) pairs in host-slot order,
+        :meth:`.KernelBackend.moves`).
 
         ``lazy_dev`` (loads): the device slots reach the device when a DMA part first needs
         them, for its first scatter, after its first chunk's copies are queued; so the copy
@@ -469,7 +471,7 @@ class DMABackend(Backend):
         if h is not None:
             ks = [k for k, p in enumerate(plans) if p is None]
             kernel = dict(zip(ks, self.fallback.moves([parts[k] for k in ks], h, d_kernel,
-                                                      *(kernel_np or (None, None)))))
+                                                      *(kernel_np or (None, None)), to_host=to_host)))
         blocks = self.fallback._blocks(block_quota)
         # A load's layers between drains, from the bytes one layer of it moves by DMA.
         every = drain_every(self.config.load_drain, self.config.load_drain_bytes,
@@ -491,7 +493,9 @@ class DMABackend(Backend):
             cur = torch.cuda.current_stream(device)
             ks = self.ring(device, True).aside_stream(cur)
             ks.wait_stream(cur)
-            for t in (h, d_kernel):
+            # The kernel reads these on ks: the given slots and any it made of them (page
+            # numbers, host order) were allocated on the caller's stream.
+            for t in {id(x): x for x in (h, d_kernel, *(t for m in kernel.values() for t in m[1:]))}.values():
                 t.record_stream(ks)
             used = 0
             with torch.cuda.stream(ks):
