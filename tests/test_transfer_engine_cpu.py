@@ -242,8 +242,8 @@ def test_bench_cases_draw_the_same_slots_whichever_others_run(monkeypatch):
     seen = {}
     real = bt.Case.indices
 
-    def spy(self, scattered, rng):
-        idx = real(self, scattered, rng)
+    def spy(self, scattered, rng, host=None):
+        idx = real(self, scattered, rng, host)
         seen.setdefault((self.kind, self.layout, scattered), []).append([t.clone() for t in idx])
         return idx
     monkeypatch.setattr(bt.Case, "indices", spy)
@@ -316,3 +316,40 @@ def test_check_mapped_goes_by_the_parts_own_record():
     check_mapped(replace(part, mapped=lambda: True))  # what a registered buffer reports
     with pytest.raises(ValueError, match="registered with CUDA"):
         check_mapped(replace(part, mapped=None))      # no record: the runtime says no on CPU
+
+
+def test_bench_spread_slots_draw_scattered_pages_from_a_pool_that_many_times_the_transfer(tmp_path, monkeypatch):
+    """``--slots spread --spread-pool N``: rows on scattered pages of a host pool N times the
+    transfer (made for those rows and closed after them), reported as ``spread``, outside the
+    acceptance rows; a pool under two transfers is refused by name before anything runs."""
+    from kvtier.bench import transfer as bt
+    made = []
+    real = bt.Case.spread_host
+
+    def spy(self, span):
+        host = real(self, span)
+        made.append((span, self.tokens, host))
+        return host
+    monkeypatch.setattr(bt.Case, "spread_host", spy)
+    out = tmp_path / "rows.json"
+    res = CliRunner().invoke(main, ["bench", "transfer", "--quick", "--kind", "mla", "--layout", "layer_first",
+                                    "--page-size", "16", "--slots", "spread", "--spread-pool", "4", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = [r for r in json.loads(out.read_text()) if r["backend"] != "contiguous"]
+    assert {r["host_slots"] for r in rows} == {"spread"} and len(rows) == 3 and all(r["gbps"] > 0 for r in rows)
+    (span, tokens, host), = made
+    assert span == 4 and host.size == 4 * tokens
+    assert all(not b.pinned for b in host._buffers) or not torch.cuda.is_available()
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("acceptance", Path(__file__).parent.parent / "bench" / "acceptance.py")
+    acc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(acc)
+    assert all(acc.target(r) is None for r in rows)
+    # The draw: two transfers of scattered pages over the whole larger pool, none shared.
+    case = bt.Case("mla", "layer_first", 16, 256, "cpu", 4)
+    big = case.spread_host(8)
+    h1, d1, h2, d2 = case.indices(True, np.random.default_rng(0), big)
+    assert h1.numel() == h2.numel() == case.tokens and not set(h1.tolist()) & set(h2.tolist())
+    assert max(h1.max().item(), h2.max().item()) >= 2 * case.tokens  # beyond what the 2x pool holds
+    res = CliRunner().invoke(main, ["bench", "transfer", "--quick", "--slots", "spread", "--spread-pool", "1"])
+    assert res.exit_code != 0 and "--spread-pool >= 2" in res.output and "got 1" in res.output

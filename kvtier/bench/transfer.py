@@ -33,6 +33,11 @@ SHAPES = {"mha": "llama-3-8b", "mla": "deepseek-v3", "dsa": "glm-dsa"}
 PAGE_SIZES = (1, 64, 16)  # the acceptance rows (1, 64) first
 DIRECTIONS = ("backup", "load", "both")
 HOST_SLOTS = ("allocator", "scattered")
+# ``spread``: scattered pages of a host pool many times the transfer (``--spread-pool``), as a
+# long-running cache's free pages are; not in the default table (H200 runs 106-107: the GPU
+# writes such pages slower, single tokens by the kernel 0.914x -> 0.548x from a pool 2x to 8x).
+SLOT_KINDS = HOST_SLOTS + ("spread",)
+SPREAD_POOL = 8
 # A row whose first timed run takes longer than this is reported from that run alone.
 SLOW_S = 0.5
 
@@ -152,17 +157,25 @@ class Case:
         self.host = host_pool_for(self.dev, layout, host_size_tokens=2 * self.tokens, validate_indices=False)
         self.nbytes = self.tokens * spec.bytes_per_token
 
-    def indices(self, scattered: bool, rng):
+    def indices(self, scattered: bool, rng, host=None):
+        """``(h1, d1, h2, d2)``: two transfers' slot pairs (a pair of transfers is timed as
+        ``both``), host slots in ``host`` (default the case's pool) as its allocator hands them
+        out or scattered pages drawn from all of it, device slots scattered."""
+        host = self.host if host is None else host
         ps, n_pages = self.dev.page_size, self.tokens // self.dev.page_size
-        self.host.clear()
-        h1 = slots(self.host.page_num, ps, n_pages, rng, scattered, self.host)
+        host.clear()
+        h1 = slots(host.page_num, ps, n_pages, rng, scattered, host)
         if scattered:
-            rest = np.setdiff1d(np.arange(self.host.page_num), (h1[::ps] // ps).numpy())
+            rest = np.setdiff1d(np.arange(host.page_num), (h1[::ps] // ps).numpy())
             h2 = torch.from_numpy((rng.permutation(rest)[:n_pages, None] * ps + np.arange(ps)).reshape(-1))
         else:  # the second transfer of "both" gets the allocator's next run, as a cache would
-            h2 = self.host.alloc(n_pages * ps)
+            h2 = host.alloc(n_pages * ps)
         d = slots(self.dev.size // ps, ps, 2 * n_pages, rng, True)
         return h1, d[: self.tokens], h2, d[self.tokens:]
+
+    def spread_host(self, span: int):
+        """A host pool ``span`` times the transfer, for ``spread`` slots (the caller closes it)."""
+        return host_pool_for(self.dev, self.layout, host_size_tokens=span * self.tokens, validate_indices=False)
 
 
 def asdict_spec(spec) -> dict:
@@ -197,7 +210,7 @@ def measure(case: Case, engine: TransferEngine, direction: str, idx, clock: Cloc
 
 
 def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_sizes, layers, progress=True,
-              on_row=None, rounds: int = 1, layouts=None, slots=HOST_SLOTS) -> list[Row]:
+              on_row=None, rounds: int = 1, layouts=None, slots=HOST_SLOTS, spread: int = SPREAD_POOL) -> list[Row]:
     """Time every combination; ``on_row(rows, groups, picks)`` is called after each row (partial
     results survive), and once more with ``final=True`` when the limits, measured again at
     the end (the higher of the two counts), have been applied to every row's ratio.
@@ -213,7 +226,8 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
     timed (run 30: the second timing 0.05x lower, median): rounds spread that over every
     backend alike.
     ``layouts``: only these host layouts (None: every one each kind supports); ``slots``: which
-    host slots, ``allocator`` and/or ``scattered``. Each case and kind of host slots draws its
+    host slots, ``allocator``, ``scattered`` and/or ``spread`` (scattered pages of a host pool
+    ``spread`` times the transfer, made for those rows). Each case and kind of host slots draws its
     device slots (and scattered host pages) from its own seed, so a row is timed on the same
     slots whichever others run with it.
     """
@@ -229,9 +243,6 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
     limits = None
     for kind, layout, ps in combos:
         case = Case(kind, layout, ps, tokens, device, layers)
-        # Whether this case's host pool got the huge pages it asked for: the kernel's rows
-        # depend on it, and a process that has made and dropped many pools may get fewer.
-        huge = case.host.huge_page_share() if case.host.huge_pages else None
         if limits is None:
             nbytes = case.nbytes
             limits = contiguous_limit(nbytes, clock, reps)
@@ -240,16 +251,20 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                 rows.append(Row("all", "contiguous", 0, direction, "contiguous", "contiguous",
                                 round(limits[key], 2), round(limits[direction], 2),
                                 round(limits[key] / limits[direction], 3), 0))
-        for which in [h for h in HOST_SLOTS if h in slots]:
-            scattered = which == "scattered"
-            idx = case.indices(scattered, np.random.default_rng(zlib.crc32(f"{kind}/{layout}/{ps}/{which}".encode())))
+        for which in [h for h in SLOT_KINDS if h in slots]:
+            host = case.spread_host(spread) if which == "spread" else case.host
+            # Whether the host pool got the huge pages it asked for: the kernel's rows depend
+            # on it, and a process that has made and dropped many pools might get fewer.
+            huge = host.huge_page_share() if host.huge_pages else None
+            idx = case.indices(which != "allocator", np.random.default_rng(zlib.crc32(f"{kind}/{layout}/{ps}/{which}".encode())),
+                               host)
             # one copy per slot and layer: minutes, and says nothing new
             timed = [b for b in backends if not (cuda and b == "direct" and ps == 1)]
             bar.update(len(DIRECTIONS) * rounds * (len(backends) - len(timed)))
             engines = {}
             for b in timed:
                 name, quota = parse_backend(b)
-                engines[b] = TransferEngine(case.host, name, block_quota=quota)
+                engines[b] = TransferEngine(host, name, block_quota=quota)
             got: dict[tuple[str, str], list[float]] = {}
             picks: dict[tuple[str, str], Counter] = {}
             last: dict[tuple[str, str], tuple] = {}
@@ -277,7 +292,7 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                     g = got[(backend, direction)]
                     sms, groups, samples, pair = last[(backend, direction)]
                     gbps, lim = float(np.median(g)), limits[direction]
-                    rows.append(Row(kind, layout, ps, direction, backend, "scattered" if scattered else "allocator",
+                    rows.append(Row(kind, layout, ps, direction, backend, which,
                                     round(gbps, 2), round(lim, 2), round(gbps / lim, 3), sms))
                     if on_row:
                         extra = {"rounds": [round(x, 2) for x in g]} if rounds > 1 else {}
@@ -286,6 +301,8 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                         if huge is not None:
                             extra["huge"] = huge
                         on_row(rows, groups, picks[(backend, direction)], samples=samples, **extra)
+            if host is not case.host:
+                host.close()
         case.host.close()
         del case
     bar.close()
@@ -420,14 +437,18 @@ def table(rows: list[Row]) -> str:
 @click.option("--page-size", "page_sizes", multiple=True, type=int, default=PAGE_SIZES, show_default=True)
 @click.option("--layout", "layouts", multiple=True,
               help="host layouts to time (default: every one each kind supports)")
-@click.option("--slots", multiple=True, type=click.Choice(HOST_SLOTS), default=HOST_SLOTS, show_default=True,
-              help="host slots as the allocator hands them out, and/or scattered pages")
+@click.option("--slots", multiple=True, type=click.Choice(SLOT_KINDS), default=HOST_SLOTS, show_default=True,
+              help="host slots as the allocator hands them out, scattered pages (of a pool twice the transfer), "
+                   "and/or spread: scattered pages of a pool --spread-pool times the transfer")
+@click.option("--spread-pool", "spread", type=int, default=SPREAD_POOL, show_default=True,
+              help="host pool size, in transfers, for --slots spread")
 @click.option("--quick", is_flag=True, help="tiny shapes (4 layers, 256 tokens): a smoke test for CI")
 @click.option("--verbose", is_flag=True, help="print every row as it is measured")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the rows as JSON here")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="draw every row's ratio against the targets here (PNG)")
-def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, quick, verbose, json_path, plot_path):
+def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, spread, quick, verbose, json_path,
+             plot_path):
     """Transfer bandwidth of every backend, kind, layout and page size, as a ratio to the limit."""
     for k in kinds:
         if k not in SHAPES:
@@ -441,6 +462,9 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
         raise click.BadParameter(f"need --tokens >= 64 and --reps >= 1, got {tokens} and {reps}")
     if rounds < 1:
         raise click.BadParameter(f"need --rounds >= 1 (1: each row timed once), got {rounds}", param_hint="--rounds")
+    if spread < 2:
+        raise click.BadParameter(f"need --spread-pool >= 2 (the pool holds both transfers of a pair), got {spread}",
+                                 param_hint="--spread-pool")
     layers = 4 if quick else None
     if quick:
         tokens, reps = 256, 1
@@ -470,7 +494,7 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
                 json.dump([asdict(r) for r in rows], f, indent=1)
 
     rows = run_bench(tokens, reps, tuple(backends), kinds, page_sizes, layers, on_row=save, rounds=rounds,
-                     layouts=set(layouts) or None, slots=tuple(slots))
+                     layouts=set(layouts) or None, slots=tuple(slots), spread=spread)
     if verbose and torch.cuda.is_available():
         from ..transfer.base import get_backend
         for key, rate in get_backend("dma", torch.device("cuda")).group_rates.items():

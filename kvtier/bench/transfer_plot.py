@@ -32,7 +32,7 @@ def plot_transfer(rows, path: str, title: str) -> int:
     rows = [r for r in rows if r["kind"] != "all"]
     if not rows:
         raise ValueError("no transfer rows to plot (only the contiguous limit, or nothing)")
-    slots = [s for s in ("allocator", "scattered") if any(r["host_slots"] == s for r in rows)]
+    slots = [s for s in ("allocator", "scattered", "spread") if any(r["host_slots"] == s for r in rows)]
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     groups = (("one way", ONE_WAY), ("both at once", ("both",)))
     labels = {name: list(dict.fromkeys((r["kind"], r["layout"], r["page_size"], r["direction"])
