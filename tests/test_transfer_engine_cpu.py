@@ -158,6 +158,28 @@ def test_transfer_plot_draws_a_bar_per_row_and_refuses_an_empty_run(tmp_path):
     assert not (tmp_path / "none.png").exists()
 
 
+def test_transfer_plot_shows_bars_below_half_the_limit(tmp_path, monkeypatch):
+    """The CPU's direct copies run at a few hundredths of memcpy: the axes then start at 0,
+    not at 0.5 (where the GPU's rows all are), or every bar would be cut off."""
+    import matplotlib.figure
+    from kvtier.bench.transfer_plot import plot_transfer
+    lows = []
+    real = matplotlib.figure.Figure.savefig
+
+    def saved(self, *a, **k):  # the x-axis of every panel, as drawn
+        lows.extend(ax.get_xlim()[0] for ax in self.axes)
+        return real(self, *a, **k)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", saved)
+    row = dict(kind="mla", layout="layer_first", page_size=16, backend="direct", host_slots="scattered",
+               gbps=0.5, limit_gbps=10.0, sms=0)
+    rows = [dict(row, direction=d, ratio=0.05) for d in ("backup", "load", "both")]
+    plot_transfer(rows, str(tmp_path / "cpu.png"), "CPU")
+    assert lows and all(x == 0.0 for x in lows)
+    lows.clear()
+    plot_transfer([dict(r, ratio=0.9) for r in rows], str(tmp_path / "gpu.png"), "GPU")
+    assert lows and all(x == 0.5 for x in lows)
+
+
 def test_the_background_thread_gives_way_to_a_load_being_prepared_but_never_for_long():
     """Between its chunks the backup thread waits while a load is prepared (until the load's
     first layer is queued), and at most GIVE_WAY_S; the hook is per thread."""
