@@ -119,50 +119,56 @@ def test_a_pool_on_huge_pages_is_pinned_and_round_trips(backend, layout):
     _round_trip_matches_direct(TransferEngine(host, backend), dev, host, layout, 16, "cpu", rng)
 
 
-@pytest.mark.parametrize("backend", ["kernel", "dma", "auto"])
-@pytest.mark.parametrize("name", ["mha_odd", "mla_fp8_656", "dsa"])
-@pytest.mark.parametrize("chunk", [0, 256, 8192])
-@pytest.mark.parametrize("broken", [False, True])
-def test_whole_pages_move_a_page_per_row_and_match_direct(backend, name, chunk, broken):
-    """KernelConfig.page_rows: where a layer_first transfer moves whole pages, the kernel's
-    parts (every part with ``kernel``, DSA's index-K with ``dma``) copy a page's run per row, cut
-    into ``chunk`` bytes; with one pair out of its page's order, a row per token. Every byte
-    either way, backup and load."""
+def _kernel_engine(host, backend: str, config, monkeypatch):
+    """An engine whose kernel parts all go through one ``KernelBackend(config)``: that backend
+    (``kernel``), the DMA backend sending every part through it (its runner's kernel moves, as
+    ``auto``'s kernel picks go: ``dma``), or ``auto`` over both; and the list each of the
+    kernel's ``copy_part`` calls appends ``(part, host slots, layer)`` to."""
     from kvtier.transfer.auto import AutoBackend
     from kvtier.transfer.dma import DMABackend, DMAConfig
-    from kvtier.transfer.kernel import KernelBackend, KernelConfig
-    spec, ps = SPECS[name], 16
-    dev, host = _pools(spec, ps, "layer_first")
-    host.validate_indices = not broken  # DSA refuses a broken page, which the check is about here
-    kb = KernelBackend(KernelConfig(page_chunk_bytes=chunk))
-    # DMA: every part by the kernel, through the DMA runner's kernel moves (as auto's kernel picks go).
+    from kvtier.transfer.kernel import KernelBackend
+    kb = KernelBackend(config)
     dma = DMABackend(DMAConfig(kernel_below=1 << 40 if backend == "dma" else 0), fallback=kb)
-    eng = TransferEngine(host, {"kernel": kb, "dma": dma, "auto": AutoBackend(kb, dma)}[backend])
     seen = []
     real = KernelBackend.copy_part
 
     def spy(self, part, h, d, layer, blocks):
-        seen.append(part.host.page_size)
+        seen.append((part, h, layer))
         return real(self, part, h, d, layer, blocks)
+    monkeypatch.setattr(KernelBackend, "copy_part", spy)
+    return TransferEngine(host, {"kernel": kb, "dma": dma, "auto": AutoBackend(kb, dma)}[backend]), seen
+
+
+@pytest.mark.parametrize("backend", ["kernel", "dma", "auto"])
+@pytest.mark.parametrize("name", ["mha_odd", "mla_fp8_656", "dsa"])
+@pytest.mark.parametrize("chunk", [0, 256, 8192])
+@pytest.mark.parametrize("broken", [False, True])
+def test_whole_pages_move_a_page_per_row_and_match_direct(backend, name, chunk, broken, monkeypatch):
+    """KernelConfig.page_rows: where a layer_first transfer moves whole pages, the kernel's
+    parts (every part with ``kernel``, DSA's index-K with ``dma``) copy a page's run per row, cut
+    into ``chunk`` bytes; with one pair out of its page's order, a row per token. Every byte
+    either way, backup and load."""
+    from kvtier.transfer.kernel import KernelConfig
+    spec, ps = SPECS[name], 16
+    dev, host = _pools(spec, ps, "layer_first")
+    host.validate_indices = not broken  # DSA refuses a broken page, which the check is about here
+    eng, seen = _kernel_engine(host, backend, KernelConfig(page_chunk_bytes=chunk), monkeypatch)
     rng = np.random.default_rng(hash((backend, name, chunk, broken)) % 2**32)
-    KernelBackend.copy_part = spy
-    try:
-        if broken:
-            h = _pages(rng, host.page_num, 96 // ps, ps)
-            h[[3, 4]] = h[[4, 3]]
-            d = _pages(rng, dev.size // ps, 96 // ps, ps)
-            ref = host_pool_for(dev, "layer_first", host_size_tokens=host.size, validate_indices=False)
-            ref.backup_from_device_all_layer(dev, h, d, "direct")
-            eng.backup(h, d).synchronize()
-            for c in host.component_tensors:
-                assert torch.equal(host.raw_bytes(c), ref.raw_bytes(c)), c
-            ref.close()
-        else:
-            _round_trip_matches_direct(eng, dev, host, "layer_first", ps, "cpu", rng)
-    finally:
-        KernelBackend.copy_part = real
+    if broken:
+        h = _pages(rng, host.page_num, 96 // ps, ps)
+        h[[3, 4]] = h[[4, 3]]
+        d = _pages(rng, dev.size // ps, 96 // ps, ps)
+        ref = host_pool_for(dev, "layer_first", host_size_tokens=host.size, validate_indices=False)
+        ref.backup_from_device_all_layer(dev, h, d, "direct")
+        eng.backup(h, d).synchronize()
+        for c in host.component_tensors:
+            assert torch.equal(host.raw_bytes(c), ref.raw_bytes(c)), c
+        ref.close()
+    else:
+        _round_trip_matches_direct(eng, dev, host, "layer_first", ps, "cpu", rng)
+    sizes = [part.host.page_size for part, _, _ in seen]
     if backend != "auto":  # auto's choice is its own; its bytes are checked all the same
-        assert seen and set(seen) == ({ps} if broken else {1}), seen
+        assert sizes and set(sizes) == ({ps} if broken else {1}), sizes
     host.close()
 
 
@@ -515,33 +521,19 @@ def test_dma_through_the_seed_api_on_the_default_stream():
 @pytest.mark.parametrize("backend", ["kernel", "dma", "auto"])
 @pytest.mark.parametrize("name", ["mha_odd", "mla_fp8_656", "dsa"])
 @pytest.mark.parametrize("ps", [1, 16])
-def test_kernel_backups_go_in_host_slot_order_and_loads_as_given(backend, name, ps):
+def test_kernel_backups_go_in_host_slot_order_and_loads_as_given(backend, name, ps, monkeypatch):
     """KernelConfig.host_order (on; off by default): through the engine, a backup's kernel
     parts get the pairs sorted by host slot, a load's as the caller gave them; every byte lands as the caller's
     pairs say (checked against the direct backend, and back on the device)."""
-    from kvtier.transfer.auto import AutoBackend
-    from kvtier.transfer.dma import DMABackend, DMAConfig
-    from kvtier.transfer.kernel import KernelBackend, KernelConfig
+    from kvtier.transfer.kernel import KernelConfig
     spec = SPECS[name]
     dev, host = _pools(spec, ps, "layer_first")
-    kb = KernelBackend(KernelConfig(host_order=True))
-    dma = DMABackend(DMAConfig(kernel_below=1 << 40 if backend == "dma" else 0), fallback=kb)
-    eng = TransferEngine(host, {"kernel": kb, "dma": dma, "auto": AutoBackend(kb, dma)}[backend])
-    seen = []
-    real = KernelBackend.copy_part
-
-    def spy(self, part, hh, dd, layer, blocks):
-        seen.append((layer, hh.cpu().numpy()))
-        return real(self, part, hh, dd, layer, blocks)
+    eng, seen = _kernel_engine(host, backend, KernelConfig(host_order=True), monkeypatch)
     rng = np.random.default_rng(hash((backend, name, ps)) % 2**32)
-    KernelBackend.copy_part = spy
-    try:
-        _round_trip_matches_direct(eng, dev, host, "layer_first", ps, "cpu", rng, contiguous=False)
-    finally:
-        KernelBackend.copy_part = real
+    _round_trip_matches_direct(eng, dev, host, "layer_first", ps, "cpu", rng, contiguous=False)
     if backend != "auto":  # auto's choice is its own; its bytes are checked all the same
-        backups = [hh for layer, hh in seen if layer is None]
-        loads = [hh for layer, hh in seen if layer is not None]
+        backups = [hh.cpu().numpy() for _, hh, layer in seen if layer is None]
+        loads = [hh.cpu().numpy() for _, hh, layer in seen if layer is not None]
         assert backups and loads
         assert all((np.diff(hh) > 0).all() for hh in backups)
         assert not all((np.diff(hh) > 0).all() for hh in loads)  # the caller's scattered order

@@ -188,13 +188,12 @@ def six_mha_pools_moved(tokens: int, clock, rng) -> None:
 
 
 def spread_pool(case, span: int, rng):
-    """A host pool ``span`` times the size of ``case``'s transfer (layer_first, unchecked
-    indices) and host slots for that transfer: its pages drawn at random from the whole pool."""
+    """A host pool ``span`` times the size of ``case``'s transfer (``Case.spread_host``) and
+    host slots for that transfer: its pages drawn at random from the whole pool."""
     import numpy as np
     import torch
 
-    from kvtier.host_pool import host_pool_for
     ps = case.dev.page_size
-    host = host_pool_for(case.dev, "layer_first", host_size_tokens=span * case.tokens, validate_indices=False)
+    host = case.spread_host(span)
     pages = rng.permutation(host.page_num)[:case.tokens // ps]
     return host, torch.from_numpy((pages[:, None] * ps + np.arange(ps)).reshape(-1).astype(np.int64))

@@ -154,7 +154,7 @@ class Case:
         self.dev = pool_from_spec(spec, 2 * self.tokens, page_size, device)
         for stack in self.dev.stacks.values():
             stack.view(torch.uint8).random_(0, 256)
-        self.host = host_pool_for(self.dev, layout, host_size_tokens=2 * self.tokens, validate_indices=False)
+        self.host = self.spread_host(2)
         self.nbytes = self.tokens * spec.bytes_per_token
 
     def indices(self, scattered: bool, rng, host=None):
@@ -174,7 +174,8 @@ class Case:
         return h1, d[: self.tokens], h2, d[self.tokens:]
 
     def spread_host(self, span: int):
-        """A host pool ``span`` times the transfer, for ``spread`` slots (the caller closes it)."""
+        """A host pool ``span`` times the transfer, unchecked indices (the case's own: 2; for
+        ``spread`` slots, more, and the caller closes it)."""
         return host_pool_for(self.dev, self.layout, host_size_tokens=span * self.tokens, validate_indices=False)
 
 

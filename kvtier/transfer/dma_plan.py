@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..allocator import whole_page_rows
 from ..layouts import Placement
 
 
@@ -43,8 +44,7 @@ def whole_pages(host_idx: np.ndarray, page_size: int) -> bool:
         return True
     if host_idx.size % page_size:
         return False
-    pages = host_idx.reshape(-1, page_size)
-    return bool((pages[:, 0] % page_size == 0).all() and (np.diff(pages, axis=1) == 1).all())
+    return bool(whole_page_rows(host_idx, page_size).all())
 
 
 def run_starts(host_idx: np.ndarray, cuts: np.ndarray | None = None, paired: np.ndarray | None = None) -> np.ndarray:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..allocator import whole_page_rows
 from .base import Backend, TransferPart
+from .dma_plan import whole_pages as slots_whole
 from ..layouts import Placement
 from .triton_kernels import WordPlan, copy_items, fetch_index, interpreting, layer_ptr_table, layers_gcd
 from ..validate import require_positive_int
@@ -69,12 +69,9 @@ class KernelConfig:
 def whole_pages(host_np, dev_np, page_size: int) -> bool:
     """True when the slot pairs come as whole pages: every ``page_size`` consecutive entries of
     ``host_np`` and of ``dev_np`` are the slots of one page, first to last (False without both)."""
-    if page_size <= 1 or host_np is None or dev_np is None:
+    if page_size <= 1 or host_np is None or dev_np is None or len(host_np) == 0 or len(dev_np) != len(host_np):
         return False
-    n = len(host_np)
-    if n == 0 or n % page_size or len(dev_np) != n:
-        return False
-    return bool(whole_page_rows(host_np, page_size).all() and whole_page_rows(dev_np, page_size).all())
+    return all(slots_whole(np.asarray(s), page_size) for s in (host_np, dev_np))
 
 
 def page_part(part: TransferPart, chunk_cap: int) -> TransferPart | None:
