@@ -522,7 +522,7 @@ def test_dma_through_the_seed_api_on_the_default_stream():
 @pytest.mark.parametrize("name", ["mha_odd", "mla_fp8_656", "dsa"])
 @pytest.mark.parametrize("ps", [1, 16])
 def test_kernel_backups_go_in_host_slot_order_and_loads_as_given(backend, name, ps, monkeypatch):
-    """KernelConfig.host_order (on; off by default): through the engine, a backup's kernel
+    """KernelConfig.host_order (on by default): through the engine, a backup's kernel
     parts get the pairs sorted by host slot, a load's as the caller gave them; every byte lands as the caller's
     pairs say (checked against the direct backend, and back on the device)."""
     from kvtier.transfer.kernel import KernelConfig

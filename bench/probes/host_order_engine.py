@@ -6,10 +6,22 @@ host slot before the call. Since then the kernel backend (and the DMA backend's 
 parts, which ``auto``'s kernel picks use) can sort a backup's pairs itself
 (``KernelConfig.host_order``, off by default until its GPU tests have run; not yet run).
 
-Here, MLA layer_first page 1, pool 8x, huge pages, the pairs as drawn, in turn: the kernel
-backend with ``host_order`` off (the default) and on, and ``auto`` built on a kernel backend
-with it on; backups. Predictions: on, and ``auto``, within 0.02x of run 107's sorted 0.916x;
-off near 0.565x.
+Run 108 (code c4213a8, its argsort): off 0.551x, on 0.838x, auto 0.819x; short of the
+prediction (0.916x +- 0.02), with no in-process reference for the sorted rate (MLA single
+tokens swing 0.85-0.95x between processes). Since then the kernel sorts with the DMA
+planner's ``HostOrder.of`` (0.49 ms for 32k slots on this CPU, the stable argsort 2.3 ms).
+
+Run 109 (``probe_host_order_engine_h200_run109.json``, HostOrder.of on the host): 8x pool,
+sorted before the call 0.920x, off 0.525x, on 0.897x (its call 0.92 ms longer), auto 0.886x;
+2x pool, 0.924 / 0.919 / 0.900 / 0.896x. The gap to the reference is the call's extra host
+time (0.9 ms of a 45 ms transfer, 0.02x). Since then the kernel sorts on the device,
+queued with the copy (``torch.sort`` of the slots already there; no host time).
+
+Here, MLA layer_first page 1, pools 8x and 2x, huge pages, backups, in turn: the kernel with
+``host_order`` off on the pairs as drawn and on the pairs sorted before the call (the
+reference), and on, and ``auto`` built on a kernel with it on, on the pairs as drawn; with
+each arm's GB/s, the host's wait for the call (ms). Predictions: on within 0.01x of the
+reference at both sizes, its call within 0.2 ms of off's; auto within 0.02x of on.
 Usage: python bench/probes/host_order_engine.py OUT.json [--tokens N]
 """
 
@@ -29,19 +41,37 @@ log = JsonLog(PATH, tokens=TOKENS)
 
 
 def main() -> None:
+    import time
     torch.cuda.set_stream(torch.cuda.Stream())
     clock, limits, rng = start(log)
     case = Case("mla", "layer_first", 1, TOKENS, "cuda", None)
     d = case.indices(True, rng)[1]
     case.host.close()
-    host, h = spread_pool(case, 8, rng)
     on = KernelBackend(KernelConfig(host_order=True))
-    engines = {"kernel, host_order off": TransferEngine(host, KernelBackend()),
-               "kernel, host_order on": TransferEngine(host, on),
-               "auto, host_order on": TransferEngine(host, AutoBackend(on, DMABackend(DMAConfig(), on)))}
-    times = in_turn(engines, lambda e: case.nbytes / clock.once(lambda: transfer(e, h, d, True)) / 1e9)
-    log("mla/layer_first/p1/pool 8x/backup", {k: cell(g, limits["backup"]) for k, g in times.items()})
-    host.close()
+    off = KernelBackend(KernelConfig(host_order=False))
+    for span in (8, 2):
+        host, h = spread_pool(case, span, rng)
+        order = torch.argsort(h)
+        engines = {"off, sorted before the call": (off, h[order], d[order.to(d.device)]), "off, as drawn": (off, h, d),
+                   "on, as drawn": (on, h, d), "auto on, as drawn": (AutoBackend(on, DMABackend(DMAConfig(), on)), h, d)}
+        arms = {k: (k, TransferEngine(host, b), hh, dd) for k, (b, hh, dd) in engines.items()}
+        call_ms = {k: [] for k in arms}
+
+        def once(arm):
+            k, eng, hh, dd = arm
+
+            def go():
+                t = time.perf_counter()
+                handle = eng.backup(hh, dd)
+                call_ms[k].append(1e3 * (time.perf_counter() - t))
+                handle.wait()
+            return case.nbytes / clock.once(go) / 1e9
+        times = in_turn(arms, once)
+        log(f"mla/layer_first/p1/pool {span}x/backup",
+            {k: {**cell(g, limits["backup"]), "call_ms": round(sorted(call_ms[k])[len(call_ms[k]) // 2], 2)}
+             for k, g in times.items()})
+        host.close()
+        del host, arms, engines
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ class HostOrder:
         the low bits (0.49 ms for 32k slots on the CPU here, where an argsort took 1.16 ms and a
         plain sort 0.44). Slots repeated in a load keep their order among themselves.
         """
-        if _ascending(host):
+        if ascending(host):
             return None
         ps = page_size if page_size > 1 and whole_pages(host, page_size) else 1
         keys = host[::ps].astype(np.int64)
@@ -143,7 +143,8 @@ class HostOrder:
         return HostOrder((first[:, None] * ps + step).reshape(-1), (firsts[:, None] + step).reshape(-1))
 
 
-def _ascending(host: np.ndarray) -> bool:
+def ascending(host: np.ndarray) -> bool:
+    """True when ``host`` slots strictly ascend, as an allocator hands them out."""
     return host.size < 2 or bool((host[1:] > host[:-1]).all())
 
 
