@@ -17,6 +17,8 @@ GB = 1e9
 # (the seed keeps 10 GiB; so do we, overridable per pool or by environment).
 DEFAULT_RESERVE_BYTES = 10 * (1 << 30)
 RESERVE_ENV = "KVTIER_HOST_RESERVE_GB"
+# The host memory this process may use, where the OS reports less than the machine can take.
+LIMIT_ENV = "KVTIER_HOST_LIMIT_GB"
 
 CGROUP_V2 = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current"))
 CGROUP_V1 = (
@@ -30,24 +32,40 @@ class HostMemory:
     """What a new host pool may take, after the reserve."""
 
     available: int          # min(host, cgroup), bytes
-    host_available: int     # psutil's available minus reserve
+    host_available: int     # psutil's available (or the operator's limit less this process's use) minus reserve
     cgroup_available: int | None
     cgroup_limit: int | None
     reserve: int
     total: int
+    limit: int | None = None  # KVTIER_HOST_LIMIT_GB, bytes, where set
 
 
-def default_reserve_bytes() -> int:
-    raw = os.environ.get(RESERVE_ENV)
-    if raw is None:
-        return DEFAULT_RESERVE_BYTES
+def _env_gb(name: str, positive: bool) -> float | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{RESERVE_ENV}={raw!r} is not a number of GB") from None
-    if value < 0:
-        raise ValueError(f"{RESERVE_ENV}={raw!r} must be >= 0")
-    return int(value * GB)
+        raise ValueError(f"{name}={raw!r} is not a number of GB") from None
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name}={raw!r} must be {'> 0' if positive else '>= 0'} (GB)")
+    return value
+
+
+def default_reserve_bytes() -> int:
+    value = _env_gb(RESERVE_ENV, positive=False)
+    return DEFAULT_RESERVE_BYTES if value is None else int(value * GB)
+
+
+def host_limit_bytes() -> int | None:
+    """``KVTIER_HOST_LIMIT_GB`` in bytes, or None where unset: the host memory this process
+    may use, for machines whose OS reports far less available than they can take. A VM
+    whose memory grows as it is used (a balloon, Firecracker) reads a small MemAvailable
+    until its memory has been touched, and gives it back when freed: on the H200 lease
+    machine (128 GiB) it read about 12 GB after a process had touched 60 GiB and exited."""
+    value = _env_gb(LIMIT_ENV, positive=True)
+    return None if value is None else int(value * GB)
 
 
 def _read_bytes(path: Path) -> int | None:
@@ -83,17 +101,22 @@ def host_memory(reserve_bytes: int | None = None) -> HostMemory:
     if reserve < 0:
         raise ValueError(f"reserve_bytes must be >= 0, got {reserve_bytes!r}")
     vm = psutil.virtual_memory()
-    host = max(vm.available - reserve, 0)
+    own = host_limit_bytes()
+    # With a limit set, what this process holds now (pinned pools are resident) counts
+    # against it, in place of what the OS says the machine has free.
+    free = vm.available if own is None else own - psutil.Process().memory_info().rss
+    host = max(free - reserve, 0)
     cg = cgroup_limit_and_usage()
     if cg is None:
-        return HostMemory(host, host, None, None, reserve, vm.total)
+        return HostMemory(host, host, None, None, reserve, vm.total, own)
     limit, usage = cg
     cg_avail = max(limit - usage - reserve, 0)
-    return HostMemory(min(host, cg_avail), host, cg_avail, limit, reserve, vm.total)
+    return HostMemory(min(host, cg_avail), host, cg_avail, limit, reserve, vm.total, own)
 
 
 POOL_FIX = (f"Shrink the pool (host_size_tokens, host_size in GB, or host_to_device_ratio) or lower the reserve "
-            f"(reserve_bytes=..., or {RESERVE_ENV}).")
+            f"(reserve_bytes=..., or {RESERVE_ENV}); where the OS reports less memory than the machine can take "
+            f"(a VM whose memory grows as it is used), set {LIMIT_ENV} to what this process may use.")
 
 
 def check_host_memory(requested: int, reserve_bytes: int | None, what: str, fix: str = POOL_FIX) -> HostMemory:
@@ -101,10 +124,12 @@ def check_host_memory(requested: int, reserve_bytes: int | None, what: str, fix:
     message names ``what``, the sizes, and ``fix`` (default: how to shrink a pool)."""
     mem = host_memory(reserve_bytes)
     if requested > mem.available:
-        where = "host" if mem.cgroup_available is None or mem.host_available <= mem.cgroup_available else "cgroup"
+        where = "host limit" if mem.cgroup_available is None or mem.host_available <= mem.cgroup_available else "cgroup limit"
+        if where == "host limit" and mem.limit is not None:
+            where = f"{LIMIT_ENV}={mem.limit / GB:g} less this process's resident memory"
         raise MemoryError(
             f"{what} needs {requested / GB:.2f} GB of host memory but only "
-            f"{mem.available / GB:.2f} GB is available ({where} limit, after keeping "
+            f"{mem.available / GB:.2f} GB is available ({where}, after keeping "
             f"{mem.reserve / GB:.2f} GB in reserve). {fix}"
         )
     return mem

@@ -50,6 +50,48 @@ def test_reserve_from_environment(monkeypatch):
         memory.default_reserve_bytes()
 
 
+@pytest.mark.parametrize("raw", ["0", "-3", "lots", "nan", "inf"])
+def test_a_bad_host_limit_is_refused_by_name(raw, monkeypatch):
+    monkeypatch.setenv(memory.LIMIT_ENV, raw)
+    with pytest.raises(ValueError, match=f"KVTIER_HOST_LIMIT_GB='{raw}'"):
+        memory.host_memory(0)
+
+
+def test_the_host_limit_stands_in_for_what_the_os_reports_available(monkeypatch):
+    """A VM whose memory grows as it is used reports little available: with
+    KVTIER_HOST_LIMIT_GB set, the check counts the limit less this process's resident
+    memory instead (the cgroup still caps it), and says which it used."""
+    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: type("VM", (), {"total": 32 << 30, "available": 2 << 30})())
+    monkeypatch.setattr(memory, "cgroup_limit_and_usage", lambda: None)
+    with pytest.raises(MemoryError, match="host limit.*KVTIER_HOST_LIMIT_GB to what this process may use"):
+        memory.check_host_memory(int(50e9), 0, "a pool")
+    monkeypatch.setenv(memory.LIMIT_ENV, "100")
+    rss = memory.psutil.Process().memory_info().rss
+    mem = memory.check_host_memory(int(50e9), 0, "a pool")
+    assert mem.limit == int(100e9)
+    assert abs(mem.available - (int(100e9) - rss)) < 256 << 20   # the resident size moves a little
+    with pytest.raises(MemoryError, match="KVTIER_HOST_LIMIT_GB=100 less this process's resident memory"):
+        memory.check_host_memory(int(100e9), 0, "a pool")
+    monkeypatch.setattr(memory, "cgroup_limit_and_usage", lambda: (int(20e9), int(5e9)))
+    with pytest.raises(MemoryError, match="cgroup limit"):
+        memory.check_host_memory(int(50e9), 0, "a pool")
+
+
+def test_a_host_pool_over_the_host_limit_is_refused_before_allocating(monkeypatch):
+    """A real pool against a limit just above what this process holds: refused, naming the
+    limit, with nothing allocated (the resident size does not grow by the pool's bytes)."""
+    from kvtier.device_pool import MHATokenToKVPool
+    from kvtier.host_pool import MHATokenToKVPoolHost
+    dev = MHATokenToKVPool(64, 4, torch.bfloat16, 8, 128, 4, "cpu")   # 64 KiB a token
+    rss = memory.psutil.Process().memory_info().rss
+    monkeypatch.setenv(memory.LIMIT_ENV, f"{(rss + (64 << 20)) / 1e9:.4f}")
+    with pytest.raises(MemoryError, match="KVTIER_HOST_LIMIT_GB="):
+        MHATokenToKVPoolHost(dev, 0, 0, 4, "layer_first", host_size_tokens=1 << 14, reserve_bytes=0)  # 1 GiB
+    assert memory.psutil.Process().memory_info().rss < rss + (512 << 20)
+    pool = MHATokenToKVPoolHost(dev, 0, 0, 4, "layer_first", host_size_tokens=256, reserve_bytes=0)  # 16 MiB
+    assert pool.size == 256
+
+
 @pytest.mark.parametrize("name, per_token", [
     ("llama-3-8b", 32 * 2 * 8 * 128 * 2),          # 128 KiB, as ANCHORS.md says
     ("deepseek-v3", 61 * 576 * 2),
@@ -89,6 +131,15 @@ def test_info_round_trip_and_json(tmp_path):
     assert all(0 <= r["huge_page_share"] <= 1 for r in data["roundtrip"]["layouts"].values())
     assert data["huge_pages"] == memory.huge_pages_default() and data["transparent_huge_pages"] == memory.thp_mode()
     assert "host pages:" in res.output and "host pool in huge pages" in res.output
+
+
+def test_info_says_when_the_host_limit_stands_in(tmp_path, monkeypatch):
+    out = tmp_path / "info.json"
+    monkeypatch.setenv(memory.LIMIT_ENV, "123")
+    res = CliRunner().invoke(main, ["info", "--model", "llama-3-8b", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "KVTIER_HOST_LIMIT_GB=123 in place of the OS's available memory" in res.output
+    assert json.loads(out.read_text())["host_limit_bytes"] == int(123e9)
 
 
 def test_info_bad_shape_is_a_usage_error():

@@ -9,7 +9,7 @@ import click
 import torch
 
 from ..layouts import LAYOUTS, SUPPORTED
-from ..memory import GB, host_memory, huge_pages_default, huge_pages_note, thp_mode
+from ..memory import GB, LIMIT_ENV, host_memory, huge_pages_default, huge_pages_note, thp_mode
 from ..spec import KVSpec
 from .shape import shape_options
 
@@ -105,9 +105,11 @@ def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_to
         click.echo(f"L2    {r['layout']:<12}  {r['bytes_per_token']:>11,}  {r['pieces_per_page']:>11}  "
                    f"{r['largest_piece']:>13,}  {r['about']}")
     click.echo("")
-    limit = "cgroup" if mem.cgroup_limit is not None else "host"
+    source = "cgroup limit" if mem.cgroup_limit is not None else "host limit"
+    if mem.limit is not None:
+        source += f"; {LIMIT_ENV}={mem.limit / GB:g} in place of the OS's available memory"
     click.echo(f"host memory: {mem.total / GB:.1f} GB total, {mem.available / GB:.1f} GB usable "
-               f"after a {mem.reserve / GB:.1f} GB reserve ({limit} limit"
+               f"after a {mem.reserve / GB:.1f} GB reserve ({source}"
                + (f", cgroup limit {mem.cgroup_limit / GB:.1f} GB" if mem.cgroup_limit else "") + ")")
     click.echo(f"host tier capacity here: {fits:,} tokens ({fits // page_size:,} pages of {page_size})")
     click.echo(huge_pages_note())
@@ -117,7 +119,7 @@ def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_to
         "bytes_per_token_per_layer": {c.name: c.item_bytes for c in spec.components},
         "page_size": page_size, "layouts": rows,
         "host_available_bytes": mem.available, "host_capacity_tokens": fits,
-        "cgroup_limit_bytes": mem.cgroup_limit,
+        "cgroup_limit_bytes": mem.cgroup_limit, "host_limit_bytes": mem.limit,
         "huge_pages": huge_pages_default(), "transparent_huge_pages": thp_mode(),
     }
     if roundtrip:
