@@ -3,8 +3,8 @@
 Run 107 (``probe_host_order_span_h200.json``): MLA single-token kernel backups to host slots
 drawn from a pool 8x the transfer ran at 0.565x as drawn and 0.916x with the pairs sorted by
 host slot before the call. Since then the kernel backend (and the DMA backend's kernel
-parts, which ``auto``'s kernel picks use) can sort a backup's pairs itself
-(``KernelConfig.host_order``, off by default until its GPU tests have run; not yet run).
+parts, which ``auto``'s kernel picks use) sort a backup's pairs themselves
+(``KernelConfig.host_order``; on by default since run 110).
 
 Run 108 (code c4213a8, its argsort): off 0.551x, on 0.838x, auto 0.819x; short of the
 prediction (0.916x +- 0.02), with no in-process reference for the sorted rate (MLA single
@@ -22,6 +22,10 @@ Here, MLA layer_first page 1, pools 8x and 2x, huge pages, backups, in turn: the
 reference), and on, and ``auto`` built on a kernel with it on, on the pairs as drawn; with
 each arm's GB/s, the host's wait for the call (ms). Predictions: on within 0.01x of the
 reference at both sizes, its call within 0.2 ms of off's; auto within 0.02x of on.
+Outcome, run 110 (``probe_host_order_engine_h200.json``): 8x pool, reference 0.905x, off
+0.473x, on 0.903x, auto 0.882x; 2x pool, 0.907 / 0.855 / 0.897 / 0.876x. On within 0.01x:
+yes; its call 0.5-0.6 ms longer than off's (the sort's launches): no, without showing in the
+rate; auto 0.021x below on, just outside 0.02x (auto's own call is 1.1 ms longer).
 Usage: python bench/probes/host_order_engine.py OUT.json [--tokens N]
 """
 

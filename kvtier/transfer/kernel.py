@@ -42,9 +42,10 @@ class KernelConfig:
     ``host_order``: a backup moves its slot pairs in host-slot order (where the caller's
     host slots, read back anyway, are not already ascending). The GPU writes host memory
     slower the more 2 MiB host pages the rows in flight at once are spread over: MLA single
-    tokens to host slots drawn at random from a pool 8x the transfer went at 0.565x as
-    drawn, 0.916x sorted by host slot before the call (H200 run 107; 0.92x either way from
-    a pool 2x the transfer). Loads read at the same rate in any order and keep the caller's.
+    tokens to host slots drawn at random from a pool 8x the transfer went at 0.473x as
+    drawn and 0.903x with this on (0.905x sorted before the call; H200 run 110), 0.897x from
+    a pool 2x the transfer (0.907x sorted before). Loads read at the same rate in any order
+    and keep the caller's.
     The sort runs on the device, queued with the copy; host slots already ascending, as an
     allocator hands them out, cost one comparison pass on the host. (Sorted on the host
     first, run 109, it cost 0.02x in a 2x pool: its ~1 ms of host time came before the copy.)
