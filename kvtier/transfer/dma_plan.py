@@ -457,15 +457,16 @@ class ChunkedPlan(_Chunks):
         self._hold(pl, host_idx, layers, max_pitch, runs)
         self.staging, self.slots, self.bounds = _layout(pl, host_idx, layers, staging_bytes, ramp)
 
-    def _hold(self, pl: Placement, host_idx: np.ndarray, layers: int, max_pitch: int | None, runs: Runs | None):
+    def _hold(self, pl: Placement, host_idx: np.ndarray, layers: int, max_pitch: int | None, runs: Runs | None,
+              keep_slots: bool = False):
         """Keep what planning a chunk later needs. One run (allocator slots): a chunk's copies
-        are its length's template moved to where it starts, from the first slot alone. Else a
-        copy of the slots: chunks are planned later, and the caller's index array may change
-        by then."""
-        runs = runs or Runs.of(host_idx)
+        are its length's template moved to where it starts, from the first slot alone. Else,
+        or with ``keep_slots`` (a plan that reads every slot per chunk), a copy of the slots:
+        chunks are planned later, and the caller's index array may change by then."""
+        single = not keep_slots and (runs or Runs.of(host_idx)).single
         self._pl, self._layers, self.n_items = pl, layers, int(host_idx.size)
-        self._first = int(host_idx[0]) if runs.single else None
-        self._idx = None if runs.single else np.array(host_idx, dtype=np.int64)
+        self._first = int(host_idx[0]) if single else None
+        self._idx = None if single else np.array(host_idx, dtype=np.int64)
         self._max_pitch = max_pitch or MAX_PITCH
         self._calls: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._whole: DMAPlan | None = None
@@ -610,12 +611,8 @@ class PoolPlan(ChunkedPlan):
                  staging_bytes: int, max_pitch: int | None = None, ramp: int = 0):
         if dev_idx.shape != host_idx.shape:
             raise ValueError(f"{dev_idx.size} device slots for {host_idx.size} host slots; they must pair up")
-        self._pl, self._layers, self.n_items = pl, layers, int(host_idx.size)
-        self._idx = np.array(host_idx, dtype=np.int64)
+        self._hold(pl, host_idx, layers, max_pitch, None, keep_slots=True)
         self._dev = np.array(dev_idx, dtype=np.int64)
-        self._max_pitch = max_pitch or MAX_PITCH
-        self._calls: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._whole: DMAPlan | None = None
         self.staging = pool
         self.slots = _staging_slots(pl, self.n_items, layers, staging_bytes)
         self.bounds = chunk_bounds(self.n_items, self.slots, pl.page_size, layers * pl.item_bytes, ramp)
