@@ -21,10 +21,20 @@ kernel load`` 1.285x, 1.207x, 1.190x; DMA both ways 1.397x, 1.538x, 1.267x, and 
 with it (1.394x, 1.519x, 1.245x). A zero-copy transfer beside copies the other way holds the
 pair near one direction's rate, so the pairs go by DMA both ways, as ``auto`` already sends
 them; what they lack is DMA's own pair rate on page-long host rows.
-Usage: python bench/probes/pair_mix.py OUT.json [--tokens N]
+
+After run 112 (not yet run): ``--case kind/layout/page`` (repeatable; default the three
+above) times the same arms on other rows, scattered. For `auto` on single-token pairs
+(run 111: MHA page_head 0.97x against the kernel's 1.05x; DMA's pairs there are host-bound,
+their load call returning after 70-110 ms): ``--case mha/page_head/1 --case
+mha/page_first/1 --case mla/page_first/1 --case mha/layer_first/64``. Predictions there:
+the kernel both ways 1.03-1.08x, steadiest; DMA both ways 0.96-1.15x; ``kernel backup + dma
+load`` near the kernel's own pair; ``auto`` at or below DMA both ways (it sends both by DMA).
+Usage: python bench/probes/pair_mix.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE ...]
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -34,7 +44,10 @@ from kvtier.transfer.base import Backend, get_backend
 from probelib import JsonLog, args, cell, in_turn, start
 
 PATH, TOKENS = args("/tmp/probe_pair_mix.json")
-log = JsonLog(PATH, tokens=TOKENS)
+CASES = [(k, lay, int(ps)) for k, lay, ps in
+         (sys.argv[i + 1].split("/") for i, a in enumerate(sys.argv) if a == "--case")] or \
+    [(k, "layer_first", 64) for k in ("mla", "mha", "dsa")]
+log = JsonLog(PATH, tokens=TOKENS, cases=["/".join(map(str, c)) for c in CASES])
 
 
 class Split(Backend):
@@ -63,8 +76,8 @@ def main() -> None:
     clock, limits, rng = start(log)
     dev = torch.device("cuda")
     kernel, dma = get_backend("kernel", dev), get_backend("dma", dev)
-    for kind in ("mla", "mha", "dsa"):
-        case = Case(kind, "layer_first", 64, TOKENS, "cuda", None)
+    for kind, layout, ps in CASES:
+        case = Case(kind, layout, ps, TOKENS, "cuda", None)
         idx = case.indices(True, rng)
         engines = {"dma + dma": TransferEngine(case.host, "dma"), "kernel + kernel": TransferEngine(case.host, "kernel"),
                    "kernel backup + dma load": TransferEngine(case.host, Split(kernel, dma)),
@@ -72,7 +85,7 @@ def main() -> None:
                    "auto": TransferEngine(case.host, "auto")}
         times = in_turn({k: (lambda e=e: measure(case, e, "both", idx, clock, 1)) for k, e in engines.items()},
                         lambda fn: fn(), warmups=1, rounds=3)
-        log(f"{kind}/layer_first/p64/scattered/both", {k: cell(g, limits["backup"]) for k, g in times.items()})
+        log(f"{kind}/{layout}/p{ps}/scattered/both", {k: cell(g, limits["backup"]) for k, g in times.items()})
         case.host.close()
         del case, engines
         torch.cuda.empty_cache()
