@@ -75,7 +75,8 @@ class DMAConfig:
     256 B or more at 36-50 (``bench/results/probe_copy_paths_h200.json``).
     0 keeps every part on the copy engines. ``sort_slots``: move a transfer's
     slot pairs in host-slot order (:class:`~.dma_plan.HostOrder`; parts that go
-    through the kernel keep the caller's order) where, as given, some part's
+    through the kernel sort a backup's pairs themselves, on the device,
+    :attr:`.KernelConfig.host_order`, and keep a load's as given) where, as given, some part's
     copies would average fewer than ``sort_below`` bytes (the bound above).
     Small copies gain from it (scattered layer_first page-64 backups +0.05-0.10x,
     H200 run 25); copies of 1 MiB or more already run at the link's pace
@@ -428,8 +429,9 @@ class DMABackend(Backend):
                    dev_idx: torch.Tensor, block_quota: int | None = None, lazy_dev: bool = False,
                    kernel_np: tuple | None = None, to_host: bool = False):
         """:meth:`runner` for ``plans`` made with ``(s_np, _, order) = in_host_order(...)``: DMA
-        parts move the slot pairs in that order, kernel parts in the caller's. The device slots
-        are permuted only here, and only when some part goes by DMA."""
+        parts move the slot pairs in that order, kernel parts get the caller's (and sort a
+        backup's themselves, :attr:`.KernelConfig.host_order`). The device slots are permuted
+        only here, and only when some part goes by DMA."""
         if order is None or not any(_staged(p) for p in plans):  # pool plans carry their own slots
             return self.runner(parts, plans, host_idx, dev_idx, block_quota, lazy_dev=lazy_dev, kernel_np=kernel_np,
                                to_host=to_host)

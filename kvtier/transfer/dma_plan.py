@@ -119,8 +119,10 @@ class HostOrder:
         (``DMAConfig.sort_below``): host pages scattered at random then become ascending
         addresses, and pages that happen to be neighbours join into one run (longer, fewer
         copies). H200 run 25 (``probe_slot_order_h200_run25.json``, half the pool's pages at
-        random): DMA backups of scattered pages 0.67-0.81x -> 0.73-0.88x. The zero-copy kernel
-        lost 0.01-0.05x on single tokens in that order, so it keeps the caller's.
+        random): DMA backups of scattered pages 0.67-0.81x -> 0.73-0.88x. (The zero-copy kernel
+        lost 0.01-0.05x on single tokens in that order on 4 KiB host pages, runs 25 and 28;
+        on huge pages it gains in large pools and sorts a backup's pairs on the device itself,
+        :attr:`.KernelConfig.host_order`.)
         One sort gives both: each slot (or page's first slot) shifted up with its position in
         the low bits (0.49 ms for 32k slots on the CPU here, where an argsort took 1.16 ms and a
         plain sort 0.44). Slots repeated in a load keep their order among themselves.
