@@ -11,6 +11,9 @@
 # (the plot is drawn here from the JSON: bench/acceptance.py --plot).
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KVTIER_HOST_RESERVE_GB=4
+# The lease machine's memory grows as it is used and goes back when freed: MemAvailable read
+# ~12 GB of its 128 GiB (run 112), so the pools' check is told the machine's real size.
+export KVTIER_HOST_LIMIT_GB=${KVTIER_HOST_LIMIT_GB:-110}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,pcie.link.gen.current,pcie.link.width.current --format=csv > "$OUT/gpu_tests.log"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu_tests.log"

@@ -376,3 +376,31 @@ def test_bench_spread_slots_draw_scattered_pages_from_a_pool_that_many_times_the
     assert max(h1.max().item(), h2.max().item()) >= 2 * case.tokens  # beyond what the 2x pool holds
     res = CliRunner().invoke(main, ["bench", "transfer", "--quick", "--slots", "spread", "--spread-pool", "1"])
     assert res.exit_code != 0 and "--spread-pool >= 2" in res.output and "got 1" in res.output
+
+
+def test_bench_transfer_refuses_a_run_that_will_not_fit_before_making_any_pool(monkeypatch):
+    """The largest case's pools are checked against the host memory first: an error naming
+    the case, the sizes and the fixes, in well under a second (nothing allocated)."""
+    import time
+    monkeypatch.setenv("KVTIER_HOST_LIMIT_GB", "2")
+    t = time.perf_counter()
+    res = CliRunner().invoke(main, ["bench", "transfer", "--tokens", "65536", "--kind", "mla", "--kind", "mha",
+                                    "--slots", "spread"])
+    assert res.exit_code == 2, res.output
+    assert "the MHA case (65536 tokens a transfer, pools 2x and 8x the transfer)" in res.output
+    assert "--tokens" in res.output and "KVTIER_HOST_LIMIT_GB" in res.output
+    assert time.perf_counter() - t < 5
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla", "dsa"])
+def test_the_benchs_memory_estimate_is_what_its_pools_take(kind):
+    """host_bytes_needed against the pools a case really makes (CPU: the device pool too)."""
+    from kvtier.bench.transfer import Case, host_bytes_needed
+    need, _ = host_bytes_needed([kind], 256, ("allocator", "spread"), 3, 4, cuda=False)
+    case = Case(kind, "layer_first", 16, 256, "cpu", 4)
+    spread = case.spread_host(3)
+    held = sum(p.size * p.size_per_token for p in (case.host, spread))
+    held += sum(t.numel() * t.element_size() for t in case.dev.stacks.values())
+    spread.close()
+    case.host.close()
+    assert held <= need <= held * 1.05

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from ..device_pool import pool_from_spec
 from ..host_pool import host_pool_for
 from ..layouts import SUPPORTED
-from ..memory import huge_pages_note
+from ..memory import LIMIT_ENV, RESERVE_ENV, check_host_memory, huge_pages_note
 from ..spec import preset
 from ..transfer import TransferEngine
 from ..transfer.online import DUPLEX, score
@@ -208,6 +208,22 @@ def measure(case: Case, engine: TransferEngine, direction: str, idx, clock: Cloc
     n = max(reps, 5) if direction == "both" else reps
     t = clock.median(fn, n, max(1, getattr(engine.backend, "settling_transfers", 1)))
     return (2 if direction == "both" else 1) * case.nbytes / t / 1e9
+
+
+def host_bytes_needed(kinds, tokens: int, slots, spread: int, layers: int | None, cuda: bool) -> tuple[int, str]:
+    """The most host memory one case of the bench holds at once, and which kind that is: its
+    host pool (twice the transfer), a ``spread`` pool while those rows run, and without CUDA
+    its device pool (twice the transfer) too. Cases run one after another, each freed after."""
+    spans = 2 + (spread if "spread" in slots else 0) + (0 if cuda else 2)
+    need = {k: preset(SHAPES[k]).bytes_per_token_per_layer * (layers or preset(SHAPES[k]).layer_num) * tokens * spans
+            for k in kinds}
+    kind = max(need, key=need.get)
+    return need[kind], kind
+
+
+BENCH_FIX = ("Time fewer tokens (--tokens), a smaller --spread-pool or no --slots spread, or lower the reserve "
+             f"({RESERVE_ENV}); where the OS reports less memory than the machine can take (a VM whose memory "
+             f"grows as it is used), set {LIMIT_ENV} to what this process may use.")
 
 
 def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_sizes, layers, progress=True,
@@ -469,6 +485,13 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
     layers = 4 if quick else None
     if quick:
         tokens, reps = 256, 1
+    # Before any pool is made: the largest case must fit (cases run one at a time).
+    need, big = host_bytes_needed(kinds, tokens, slots, spread, layers, torch.cuda.is_available())
+    try:
+        check_host_memory(need, None, f"the {big.upper()} case ({tokens} tokens a transfer, pools "
+                          f"{'2x' + (f' and {spread}x' if 'spread' in slots else '')} the transfer)", BENCH_FIX)
+    except MemoryError as e:
+        raise click.UsageError(str(e)) from None
     start = time.perf_counter()
 
     def save(rows, groups=None, picks=None, final=False, samples="", rounds=None, pair="", huge=None):
