@@ -380,7 +380,7 @@ def test_bench_spread_slots_draw_scattered_pages_from_a_pool_that_many_times_the
 
 def test_bench_transfer_refuses_a_run_that_will_not_fit_before_making_any_pool(monkeypatch):
     """The largest case's pools are checked against the host memory first: an error naming
-    the case, the sizes and the fixes, in well under a second (nothing allocated)."""
+    the case, the sizes and the fixes, at once (nothing allocated)."""
     import time
     monkeypatch.setenv("KVTIER_HOST_LIMIT_GB", "2")
     t = time.perf_counter()
