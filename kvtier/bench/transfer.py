@@ -215,8 +215,8 @@ def host_bytes_needed(kinds, tokens: int, slots, spread: int, layers: int | None
     host pool (twice the transfer), a ``spread`` pool while those rows run, and without CUDA
     its device pool (twice the transfer) too. Cases run one after another, each freed after."""
     spans = 2 + (spread if "spread" in slots else 0) + (0 if cuda else 2)
-    need = {k: preset(SHAPES[k]).bytes_per_token_per_layer * (layers or preset(SHAPES[k]).layer_num) * tokens * spans
-            for k in kinds}
+    specs = {k: preset(SHAPES[k]) for k in kinds}
+    need = {k: s.bytes_per_token_per_layer * (layers or s.layer_num) * tokens * spans for k, s in specs.items()}
     kind = max(need, key=need.get)
     return need[kind], kind
 
