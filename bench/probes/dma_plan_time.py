@@ -1,0 +1,59 @@
+"""CPU probe: the host time DMA planning takes for one 32k-token transfer to scattered slots.
+
+After run 112: DMA's single-token pairs on scattered slots looked host-bound (the load call
+returned after 70-110 ms in a pair). This times, without a GPU, what the DMA backend plans
+for one transfer: ``in_host_order`` and ``plan_parts``, then every chunk's runtime calls
+(``calls(i)``), and counts those calls. Loads are planned one layer a copy unless GROUP is
+given (the GPU's trial loads pick the group there; here it is set by hand).
+Outcome on the CI-like CPU: MHA page_first page 1, backup: 1.1 ms of plans, 20 ms of chunks,
+32,822 calls; a load in one group of 32 layers: 18.5 ms, 32,818 calls.
+Usage: python bench/probes/dma_plan_time.py KIND LAYOUT PAGE [GROUP]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from kvtier.bench.transfer import SHAPES, slots
+from kvtier.device_pool import pool_from_spec
+from kvtier.host_pool import host_pool_for
+from kvtier.spec import preset
+from kvtier.transfer.dma import DMABackend, DMAConfig
+from kvtier.transfer.dma_plan import Runs
+
+TOKENS = 32768
+
+
+def main() -> None:
+    kind, layout, ps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    group = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    dev = pool_from_spec(preset(SHAPES[kind]), 2 * 64, ps, "cpu")  # its size does not enter the plan
+    host = host_pool_for(dev, layout, host_size_tokens=2 * TOKENS, validate_indices=False)
+    h = slots(host.page_num, ps, TOKENS // ps, np.random.default_rng(0), True, host).numpy()
+    parts = host.transfer_parts()
+    dma = DMABackend(DMAConfig())
+    if group:
+        dma.load_group = lambda part, host_np, runs=None: group  # the GPU's trial loads, by hand
+    for to_host in (True, False):
+        for _ in range(3):  # the last of three
+            t0 = time.perf_counter()
+            s_np, runs, order = dma.in_host_order(parts, h, Runs.of(h))
+            plans = dma.plan_parts(parts, s_np, runs, order, to_host, to_host or bool(group))
+            t1 = time.perf_counter()
+            calls = 0
+            for p in plans:
+                for q in ([] if p is None else p.plans.values() if hasattr(p, "plans") else [p]):
+                    for i in range(q.n_chunks):
+                        tall, flat = q.calls(i)
+                        calls += len(tall) + len(flat)
+            t2 = time.perf_counter()
+        print(f"{kind} {layout} p{ps} {'backup' if to_host else 'load'}: plans {1e3 * (t1 - t0):.1f} ms, "
+              f"chunks {1e3 * (t2 - t1):.1f} ms, {calls} calls, {[type(p).__name__ for p in plans]}")
+    host.close()
+
+
+if __name__ == "__main__":
+    main()
