@@ -404,3 +404,28 @@ def test_the_benchs_memory_estimate_is_what_its_pools_take(kind):
     spread.close()
     case.host.close()
     assert held <= need <= held * 1.05
+
+
+def test_bench_frees_each_cases_pools_before_it_makes_the_next(monkeypatch):
+    """The up-front memory check counts one case's pools at a time, so the bench must hold
+    no more: every host pool an earlier case or slot kind made is gone (freed, not only
+    unpinned) when the next is made. H200 run 113: the spread pool of MHA's layer_first case
+    was still held when page_first's was made, and the pool check refused it."""
+    import weakref
+    from kvtier.bench import transfer as bt
+    made: list[tuple[str, weakref.ref]] = []
+    alive_at_make: list[list[str]] = []
+    real = bt.Case.spread_host
+
+    def spread_host(self, span):  # the case's own pool (span 2) too
+        pool = real(self, span)
+        alive_at_make.append([w for w, r in made if r() is not None])
+        made.append((f"{self.layout} {span}x", weakref.ref(pool)))
+        return pool
+    monkeypatch.setattr(bt.Case, "spread_host", spread_host)
+    bt.run_bench(256, 1, ("direct",), ("mha",), (16,), 4, progress=False,
+                 slots=("allocator", "scattered", "spread"), spread=3)
+    assert [w for w, _ in made] == ["layer_first 2x", "layer_first 3x", "page_first 2x", "page_first 3x",
+                                    "page_head 2x", "page_head 3x"]
+    # A case's own pool may live beside its spread pool; nothing from an earlier case may.
+    assert alive_at_make == [[], ["layer_first 2x"], [], ["page_first 2x"], [], ["page_head 2x"]]

@@ -320,6 +320,10 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                         on_row(rows, groups, picks[(backend, direction)], samples=samples, **extra)
             if host is not case.host:
                 host.close()
+            # Freed now, not when the names are next bound: the up-front memory check counts
+            # one case's pools at a time (run 113: layer_first's spread pool, still held here,
+            # made page_first's fail the pool check).
+            host = engines = engine = None
         case.host.close()
         del case
     bar.close()
