@@ -225,3 +225,62 @@ def test_the_prior_tries_dma_unless_it_is_predicted_far_slower():
     assert rank({"kernel": 0.84e-3, "dma": 1.94e-3}) == ["kernel", "dma"]
     assert rank({"kernel": 1.0, "dma": 0.5}) == ["dma", "kernel"]
     assert rank({"kernel": 1.0, "dma": 1.01 * EXPLORE_WITHIN}) == ["kernel"]
+
+
+def _pairs(c: OnlineChooser, load, backup, pair_rates: dict) -> str:
+    """Let ``c`` explore a shared load (key ``load``) in pairs: ``pair_rates[candidate]`` is
+    ``(load GB/s alone in its own timing, the pair's GB/s)`` when the load goes by that
+    candidate; the backup is ``c.pick``-ed too, as auto does. The load's pick after exploring."""
+    for _ in range(2 * c.explore):
+        lc, bc = c.pick(load, ["dma", "kernel"]), c.pick(backup, ["dma", "kernel"])
+        assert bc == "dma"                                 # backups keep the DMA-when-shared rule
+        own, both = pair_rates[lc]
+        c.record(load, lc, own)
+        c.record_pair(load, lc, both)
+    return c.pick(load, ["dma", "kernel"])
+
+
+def test_a_shared_load_is_chosen_by_what_its_pairs_moved():
+    """H200 runs 113 and 115 (probe_pair_mix_h200_run11*.json): single scattered tokens, a DMA
+    load timed 50 GB/s on its own in pairs that moved 60 GB/s, a kernel load 37 GB/s in pairs
+    that moved 71; scattered page-64 pages, DMA 49.5 in pairs of 83, the kernel 41 in 64."""
+    c = OnlineChooser()
+    single, pages = (False, "p1", DUPLEX), (False, "p64", DUPLEX)
+    assert _pairs(c, single, (True, "p1", DUPLEX), {"dma": (50.0, 60.0), "kernel": (37.0, 71.0)}) == "kernel"
+    assert _pairs(c, pages, (True, "p64", DUPLEX), {"dma": (49.5, 83.0), "kernel": (41.0, 64.0)}) == "dma"
+    # Without pair samples for every candidate, the load's own samples decide.
+    lone = (False, "lone", DUPLEX)
+    for cand, rate in (("dma", 30.0), ("kernel", 35.0)) * 3:
+        c.record(lone, cand, rate)
+    c.record_pair(lone, "dma", 80.0)
+    assert c.pick(lone, ["dma", "kernel"]) == "kernel"
+    # Off, or where the backups can only use the kernel: the rules for a transfer sharing the link.
+    assert OnlineChooser(pair_loads=False).pick(single, ["kernel", "dma"]) == "dma"
+    c.record(single[:-1], "kernel", 45.0)
+    c.record(single[:-1], "dma", 50.0)
+    assert c.pick(single, ["kernel", "dma"], partner_kernel_only=True) == "dma"  # the best alone
+    assert c.pick(single, ["dma"]) == "dma"
+
+
+def test_harvest_files_what_a_transfer_and_those_beside_it_moved_once_all_have_finished():
+    from kvtier.transfer.online import PendingTimings
+    c, t = OnlineChooser(explore=1), PendingTimings()
+    backup, load = (True, "geom"), (False, "geom")
+    b_end = _Clock(40, fired=False)
+    t.add(backup, "dma", 10**9, _Clock(0), b_end)                  # 1 GB from 0 to 40 ms
+    t.add(load + (DUPLEX,), "kernel", 10**9, _Clock(5), _Clock(25))  # 1 GB from 5 to 25 ms
+    t.harvest(c)
+    assert c.samples[load + (DUPLEX,)]["kernel"] == [50.0]
+    assert not c.pairs                                             # the backup is still running
+    b_end.fired = True
+    t.add(load, "dma", 10**9, _Clock(100), _Clock(120))            # alone: no pair
+    t.harvest(c)
+    assert c.samples[load]["dma"] == [50.0]
+    assert c.pairs[load + (DUPLEX,)] == {"kernel": [50.0]}         # 2 GB over 0-40 ms
+    assert c.pairs[backup + (DUPLEX,)] == {"dma": [50.0]}
+    t.harvest(c)
+    assert c.pairs[load + (DUPLEX,)] == {"kernel": [50.0]}         # filed once
+    # A transfer that finished before one the other way started is not in a pair with it.
+    t.add(backup, "kernel", 10**9, _Clock(130), _Clock(150))
+    t.harvest(c)
+    assert not c.pairs[backup + (DUPLEX,)].get("kernel") and c.samples[backup]["kernel"] == [50.0]

@@ -29,24 +29,46 @@ their load call returning after 70-110 ms): ``--case mha/page_head/1 --case
 mha/page_first/1 --case mla/page_first/1 --case mha/layer_first/64``. Predictions there:
 the kernel both ways 1.03-1.08x, steadiest; DMA both ways 0.96-1.15x; ``kernel backup + dma
 load`` near the kernel's own pair; ``auto`` at or below DMA both ways (it sends both by DMA).
-Usage: python bench/probes/pair_mix.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE ...]
+Also after run 112: ``kernel + kernel, host order off`` (the kernel's backups in the
+caller's order), for run 111's single-token pairs 0.08-0.11x below run 98's. Prediction: on
+a 2x pool within 0.02x of host order on (run 110's one-way backups: 0.897x against 0.907x
+sorted), so the drop was the machine.
+Run 113 (``probe_pair_mix_h200_run113.json``): ``dma backup + kernel load`` 1.251x (MHA
+page_head), 1.277x (MHA page_first), 1.115x (MLA page_first), the best arm on single tokens,
+against DMA both ways 0.993x, 1.051x, 1.009x and the kernel both ways 1.028x, 1.062x, 1.001x
+(host order off: 1.025x, 1.058x, 1.022x: the drop since run 98 was not the order); MHA
+layer_first page 64: DMA both ways 1.490x, ``dma backup + kernel load`` 1.164x. ``auto`` sent
+both by DMA (0.948x, 1.003x, 1.043x; 1.475x).
+Run 114: ``auto`` choosing a shared load by its own rate plus the backups' beside it sent
+the loads by DMA everywhere (1.01-1.09x on single tokens). Run 115 (its shared samples and
+pair timelines logged) showed why: a DMA load of single tokens timed 50 GB/s on its own in
+pairs that moved 60 GB/s (the kernel's 37 GB/s in pairs of 71). Then ``auto`` choosing a
+shared load by its pairs' GB/s (both transfers' bytes, first start to last end:
+``OnlineChooser.pair_loads``), ``--arm`` naming the arms to time. Prediction: ``auto``
+within 0.03x of the best arm in every case (kernel loads on single tokens, DMA on page-64
+pages).
+Usage: python bench/probes/pair_mix.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE ...] [--arm NAME ...]
 """
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 
 import torch
 
-from kvtier.bench.transfer import Case, measure
+from kvtier.bench.transfer import Case, measure, pair_note
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.base import Backend, get_backend
+from kvtier.transfer.online import DUPLEX
+from kvtier.transfer.kernel import KernelBackend, KernelConfig
 from probelib import JsonLog, args, cell, in_turn, start
 
 PATH, TOKENS = args("/tmp/probe_pair_mix.json")
 CASES = [(k, lay, int(ps)) for k, lay, ps in
          (sys.argv[i + 1].split("/") for i, a in enumerate(sys.argv) if a == "--case")] or \
     [(k, "layer_first", 64) for k in ("mla", "mha", "dsa")]
+ARMS = [sys.argv[i + 1] for i, a in enumerate(sys.argv) if a == "--arm"]  # default: all
 log = JsonLog(PATH, tokens=TOKENS, cases=["/".join(map(str, c)) for c in CASES])
 
 
@@ -76,16 +98,36 @@ def main() -> None:
     clock, limits, rng = start(log)
     dev = torch.device("cuda")
     kernel, dma = get_backend("kernel", dev), get_backend("dma", dev)
+    seen_keys = set()
     for kind, layout, ps in CASES:
         case = Case(kind, layout, ps, TOKENS, "cuda", None)
         idx = case.indices(True, rng)
         engines = {"dma + dma": TransferEngine(case.host, "dma"), "kernel + kernel": TransferEngine(case.host, "kernel"),
+                   "kernel + kernel, host order off": TransferEngine(
+                       case.host, KernelBackend(KernelConfig(host_order=False))),
                    "kernel backup + dma load": TransferEngine(case.host, Split(kernel, dma)),
                    "dma backup + kernel load": TransferEngine(case.host, Split(dma, kernel)),
                    "auto": TransferEngine(case.host, "auto")}
+        engines = {k: e for k, e in engines.items() if not ARMS or k in ARMS}
+        auto = get_backend("auto", dev)
+        before = Counter(auto.picks)
         times = in_turn({k: (lambda e=e: measure(case, e, "both", idx, clock, 1)) for k, e in engines.items()},
                         lambda fn: fn(), warmups=1, rounds=3)
-        log(f"{kind}/{layout}/p{ps}/scattered/both", {k: cell(g, limits["backup"]) for k, g in times.items()})
+        cells = {k: cell(g, limits["backup"]) for k, g in times.items()}
+        if "auto" in engines:  # what auto sent each way, exploring included, and its shared samples
+            cells["auto picks"] = {f"{d} {c}": n for (d, c), n in (Counter(auto.picks) - before).items()}
+            for key, by in list(auto.chooser.samples.items()):
+                if key and key[-1] == DUPLEX and key not in seen_keys:
+                    seen_keys.add(key)
+                    pairs = auto.chooser.pairs.get(key, {})
+                    cells[f"{'backup' if key[0] else 'load'} shared samples"] = {
+                        c: {"own": [round(x, 1) for x in v], "pairs": [round(x, 1) for x in pairs.get(c, [])]}
+                        for c, v in by.items()}
+        for k, e in engines.items():  # each arm's pair timeline (ms after the backup call), one more pair
+            pl = []
+            measure(case, e, "both", idx, clock, 1, pl)
+            cells[k]["timeline"] = pair_note(pl)
+        log(f"{kind}/{layout}/p{ps}/scattered/both", cells)
         case.host.close()
         del case, engines
         torch.cuda.empty_cache()

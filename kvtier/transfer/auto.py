@@ -205,9 +205,10 @@ class AutoBackend(Backend):
         per_run = sum(host_np.size * p.item_bytes * (p.layer_num if to_host else 1) for p in parts)
         runs = Runs.of(host_np)
         base = shape_key(to_host, parts, host_np, per_run, runs)
-        # A transfer the other way shares the link: its samples are kept apart, and one
-        # that will likely share it goes by DMA where it can (OnlineChooser.pick: a
-        # zero-copy kernel either way held both together to ~60 GB/s; copies ~90-100).
+        # A transfer the other way shares the link: its samples are kept apart. A backup that
+        # will likely share it goes by DMA where it can (a zero-copy backup held pairs to about
+        # one direction's rate); a load goes by whichever moved more in pairs, its own rate
+        # plus the backups' beside it (OnlineChooser.pick, pair_loads).
         self.timings.harvest(self.chooser)
         key = base + (DUPLEX,) if self.timings.sharing(to_host) else base
         candidates = self._candidates.get(base)

@@ -60,12 +60,32 @@ class OnlineChooser:
     against the kernel's 0.88-0.90x), the pair went faster with the kernel
     (run 15: 48 vs 58 GB/s), so the best alone is taken; likewise when the
     transfers the other way can only go by the kernel.
+
+    ``pair_loads``: a shared load with more than one candidate is instead
+    explored like a transfer alone and scored by what its pairs moved: the
+    bytes of the load and of the backups beside it over the time from the
+    first start to the last end (:meth:`record_pair`, filed by
+    :class:`PendingTimings`), as the bench times ``both``. What suits a load
+    in a pair depends on the rows: on an H200 (run 113,
+    ``probe_pair_mix_h200_run113.json``), single scattered tokens went at
+    1.25-1.28x (MHA page_head, page_first) and 1.12x (MLA page_first) with DMA
+    backups beside kernel loads, against 0.99-1.05x by DMA both ways;
+    scattered page-64 pages at 1.49x by DMA both ways against 1.16x with
+    kernel loads. A load's own samples cannot tell these apart (run 115: a
+    DMA load of single tokens timed 50 GB/s on its own in pairs that moved
+    60 GB/s; a kernel load 37); the pair's can. Backups keep the rule above:
+    a zero-copy backup held every pair timed to about one direction's rate
+    (1.05-1.09x, run 113).
     """
 
     explore: int = 3
     samples: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
     when_shared: str | None = "dma"
     shared_margin: float = 0.8
+    pair_loads: bool = True
+    # Per shared key and candidate: GB/s of the pairs it was part of (its bytes and those
+    # beside it, first start to last end).
+    pairs: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
     tie: float = 0.02
 
     def __post_init__(self) -> None:
@@ -77,7 +97,10 @@ class OnlineChooser:
         nothing in the pair, and the best alone is taken. (Only what the other way *can* do
         counts, not what it last chose: two directions each waiting for the other to take
         DMA first would keep a pair on kernels for good.)"""
-        if self.when_shared in candidates and key and key[-1] == DUPLEX:
+        shared = bool(key) and key[-1] == DUPLEX
+        if shared and self.pair_loads and key[0] is False and len(candidates) > 1 and not partner_kernel_only:
+            return self._explored_pick(key, candidates, by_pair=True)
+        if self.when_shared in candidates and shared:
             solo = {c: v for c, v in self._scores(key[:-1]).items() if c in candidates}
             others = [v for c, v in solo.items() if c != self.when_shared]
             fit = (self.when_shared not in solo or not others
@@ -86,12 +109,20 @@ class OnlineChooser:
                 return self.when_shared
             if solo:
                 return max(solo, key=solo.get)
+        return self._explored_pick(key, candidates)
+
+    def _explored_pick(self, key, candidates: list[str], by_pair: bool = False) -> str:
+        """The first candidate short of ``explore`` samples, else the best :func:`score`
+        (``by_pair``: the score of its pairs instead, where every candidate has pair samples)."""
         with self._lock:
             seen = self.samples[key]
             for c in candidates:
                 if len(seen[c]) < self.explore:
                     return c
             scores = {c: score(seen[c]) for c in candidates}   # in the prior's order
+            pairs = self.pairs.get(key, {})
+            if by_pair and all(pairs.get(c) for c in candidates):
+                scores = {c: score(pairs[c]) for c in candidates}
             high = max(scores.values())
             return next(c for c, s in scores.items() if s >= (1 - self.tie) * high)
 
@@ -104,6 +135,12 @@ class OnlineChooser:
         if gbps > 0 and math.isfinite(gbps):
             with self._lock:
                 self.samples[key][candidate].append(gbps)
+
+    def record_pair(self, key, candidate: str, gbps: float) -> None:
+        """A transfer of ``candidate`` under shared ``key`` and those beside it moved ``gbps`` together."""
+        if gbps > 0 and math.isfinite(gbps):
+            with self._lock:
+                self.pairs[key][candidate].append(gbps)
 
     def best(self, key) -> str | None:
         """The candidate with the highest :func:`score` for ``key`` (None: nothing timed)."""
@@ -148,8 +185,9 @@ class PendingTimings:
 
     def __init__(self, history: int = 16):
         self._pending: list[_Timing] = []
-        self._recent: deque = deque(maxlen=history)  # (to_host, start, end) of finished samples
+        self._recent: deque = deque(maxlen=history)  # finished timings, for the overlaps of later ones
         self._last_shared = {True: False, False: False}  # per direction: did its last sample share the link?
+        self._paired: list[_Timing] = []  # finished beside others still in flight: pair samples to come
         self._lock = threading.Lock()
 
     def open(self, key, candidate: str, start) -> _Timing:
@@ -187,16 +225,42 @@ class PendingTimings:
         with self._lock:
             done = [p for p in self._pending if p.complete()]
             self._pending = [p for p in self._pending if all(p is not q for q in done)]
-            spans = [(p.key[0], p.start, p.end) for p in done + self._pending] + list(self._recent)
-            self._recent.extend((p.key[0], p.start, p.end) for p in done)
+            spans = done + self._pending + list(self._recent)
+            self._recent.extend(done)
+            paired, self._paired = self._paired, []
         for p in done:
             ms = p.start.elapsed_time(p.end)
             if ms <= 0:
                 continue
-            shared = any(d != p.key[0] and _overlaps(p.start, p.end, s, e) for d, s, e in spans)
-            self._last_shared[p.key[0]] = shared
-            base = p.key[:-1] if p.key[-1] == DUPLEX else p.key  # how it ran decides, not what was expected
-            chooser.record(base + (DUPLEX,) if shared else base, p.candidate, p.nbytes / (ms / 1e3) / 1e9)
+            beside = _beside(p, spans)
+            self._last_shared[p.key[0]] = bool(beside)
+            chooser.record(_solo(p.key) + (DUPLEX,) if beside else _solo(p.key), p.candidate, p.nbytes / ms / 1e6)
+            if beside:
+                paired.append(p)
+        # What each transfer and those beside it moved together, once all of them have finished.
+        waiting = []
+        for p in paired:
+            beside = _beside(p, spans)
+            if not all(q.complete() for q in beside):
+                waiting.append(p)
+                continue
+            t0 = min([0.0] + [p.start.elapsed_time(q.start) for q in beside])
+            t1 = max(p.start.elapsed_time(q.end) for q in [p] + beside)
+            if t1 > t0:
+                chooser.record_pair(_solo(p.key) + (DUPLEX,), p.candidate,
+                                    (p.nbytes + sum(q.nbytes for q in beside)) / (t1 - t0) / 1e6)
+        with self._lock:
+            self._paired = (waiting + self._paired)[-self._recent.maxlen:]
+
+
+def _beside(p: _Timing, spans) -> list[_Timing]:
+    """The transfers in ``spans`` the other way whose time overlapped ``p``'s (complete)."""
+    return [q for q in spans if q.key[0] != p.key[0] and _overlaps(p.start, p.end, q.start, q.end)]
+
+
+def _solo(key) -> tuple:
+    """``key`` without ``DUPLEX``: how a transfer ran decides where its sample goes, not what was expected."""
+    return key[:-1] if key[-1] == DUPLEX else key
 
 
 def _overlaps(start, end, s, e) -> bool:
