@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -376,7 +377,13 @@ class TransferEngine:
             index = torch.cuda.current_device() if self.device.index is None else self.device.index
             self._issuer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-backup",
                                               initializer=torch.cuda.set_device, initargs=(index,))
-            self._backlog = Backlog(lambda pump: self._issuer.submit(self._pump_in_thread, pump))
+            # The backlog and the thread reach this engine through a weak reference, and the
+            # thread ends with it: a strong one (engine -> backlog -> engine) kept a dropped engine,
+            # and the host pool it moves, until the cyclic collector ran (H200 run 116: 34 GB
+            # pools of earlier cases still held, and the next one refused).
+            me, issuer = weakref.ref(self), self._issuer
+            self._backlog = Backlog(lambda pump: issuer.submit(_pump_for, me, pump))
+            weakref.finalize(self, issuer.shutdown, wait=False)
         return self._backlog
 
     def _runner(self, parts, h, d, to_host: bool, h_np: np.ndarray, d_np: np.ndarray):
@@ -394,6 +401,15 @@ class TransferEngine:
             if f.to_host != to_host and f.overlaps(h_np, d_np):
                 # A failed backup's event still follows whatever it queued: wait, do not raise.
                 f.handle.wait(stream, raise_error=False)
+
+
+def _pump_for(engine_ref, pump) -> None:
+    """In the background thread: ``pump`` for the engine, if it is still there (else as is)."""
+    engine = engine_ref()
+    if engine is None:
+        pump()
+    else:
+        engine._pump_in_thread(pump)
 
 
 def _queue_head(stream, head, event) -> Future | None:
