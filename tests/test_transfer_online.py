@@ -284,3 +284,16 @@ def test_harvest_files_what_a_transfer_and_those_beside_it_moved_once_all_have_f
     t.add(backup, "kernel", 10**9, _Clock(130), _Clock(150))
     t.harvest(c)
     assert not c.pairs[backup + (DUPLEX,)].get("kernel") and c.samples[backup]["kernel"] == [50.0]
+
+
+def test_a_pair_whose_other_half_failed_is_not_filed():
+    """A load that ran beside a backup which then failed (dropped: no sample) gets no pair sample."""
+    from kvtier.transfer.online import PendingTimings
+    c, t = OnlineChooser(explore=1), PendingTimings()
+    failed = t.open((True, "geom"), "dma", _Clock(0))
+    t.add((False, "geom"), "kernel", 10**9, _Clock(5), _Clock(25))
+    t.harvest(c)
+    assert c.samples[(False, "geom", DUPLEX)]["kernel"] == [50.0] and t._paired
+    t.drop(failed)
+    t.harvest(c)
+    assert not c.pairs and not t._paired

@@ -321,13 +321,15 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                         on_row(rows, groups, picks[(backend, direction)], samples=samples, **extra)
             if host is not case.host:
                 host.close()
-            # Freed now, not when the names are next bound: the up-front memory check counts
-            # one case's pools at a time (run 113: layer_first's spread pool, still held here,
-            # made page_first's fail the pool check).
+            # Dropped now, not when the names are next bound: the up-front memory check counts
+            # one case's pools at a time.
             host = engines = engine = None
         case.host.close()
         del case
-        gc.collect()  # whatever a cycle still holds (the pools check counts one case at a time)
+        # And whatever a cycle still holds. Until f5f2f9c a TransferEngine's backlog held it in
+        # one, so each case's pools lived on until the collector ran (H200 runs 113 and 116:
+        # MHA's 34 GB spread pool refused, ~78 GB of earlier cases still resident).
+        gc.collect()
     bar.close()
     if cuda and rows:
         # Measured again at the end; the higher of the two is the run's limit.

@@ -207,8 +207,8 @@ class AutoBackend(Backend):
         base = shape_key(to_host, parts, host_np, per_run, runs)
         # A transfer the other way shares the link: its samples are kept apart. A backup that
         # will likely share it goes by DMA where it can (a zero-copy backup held pairs to about
-        # one direction's rate); a load goes by whichever moved more in pairs, its own rate
-        # plus the backups' beside it (OnlineChooser.pick, pair_loads).
+        # one direction's rate); a load goes by whichever candidate's pairs moved more, both
+        # transfers' bytes from the first start to the last end (OnlineChooser.pick, pair_loads).
         self.timings.harvest(self.chooser)
         key = base + (DUPLEX,) if self.timings.sharing(to_host) else base
         candidates = self._candidates.get(base)

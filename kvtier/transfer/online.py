@@ -241,6 +241,8 @@ class PendingTimings:
         waiting = []
         for p in paired:
             beside = _beside(p, spans)
+            if not beside:  # those beside it have left the recent history: no pair to file
+                continue
             if not all(q.complete() for q in beside):
                 waiting.append(p)
                 continue
