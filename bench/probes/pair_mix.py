@@ -47,6 +47,17 @@ shared load by its pairs' GB/s (both transfers' bytes, first start to last end:
 ``OnlineChooser.pair_loads``), ``--arm`` naming the arms to time. Prediction: ``auto``
 within 0.03x of the best arm in every case (kernel loads on single tokens, DMA on page-64
 pages).
+After run 119 (not yet run): ``dma backup + kernel load, 16 blocks`` (the load's kernel on
+16 blocks, not 32) and ``dma backup (every copy) + kernel load`` (DMA takes single tokens
+even where its copies average under ``kernel_below``: layer_first). Predictions: 16 blocks
+within 0.03x of 32 (one way the kernel's rate did not depend on its SMs, run 33); on
+layer_first single tokens the DMA backup is 1-2M copies of 2-4 KiB for MHA (a row per
+token, layer and K/V; in host order neighbours join, 4,091 bytes on average by
+``mean_copy_bound``), ~0.3 us each to queue, so 0.3 s or more of host time for a 4 GiB backup: the pair well under the kernel's own (1.05-1.09x), an arm
+that bounds the idea rather than a candidate. Command:
+``--case mha/layer_first/1 --case mla/layer_first/1 --case mha/page_first/1 --arm "dma
+backup + kernel load" --arm "dma backup + kernel load, 16 blocks" --arm "dma backup (every
+copy) + kernel load" --arm "kernel + kernel"``.
 Usage: python bench/probes/pair_mix.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE ...] [--arm NAME ...]
 """
 
@@ -61,6 +72,7 @@ from kvtier.bench.transfer import Case, measure, pair_note
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.base import Backend, get_backend
 from kvtier.transfer.online import DUPLEX
+from kvtier.transfer.dma import DMABackend, DMAConfig
 from kvtier.transfer.kernel import KernelBackend, KernelConfig
 from probelib import JsonLog, args, cell, in_turn, start
 
@@ -107,7 +119,15 @@ def main() -> None:
                        case.host, KernelBackend(KernelConfig(host_order=False))),
                    "kernel backup + dma load": TransferEngine(case.host, Split(kernel, dma)),
                    "dma backup + kernel load": TransferEngine(case.host, Split(dma, kernel)),
-                   "auto": TransferEngine(case.host, "auto")}
+                   "auto": TransferEngine(case.host, "auto"),
+                   # After run 119 (next steps 1-2): what holds the best single-token mix at
+                   # 1.10-1.28x: the kernel load with fewer blocks beside the DMA backup's gathers,
+                   # and on layer_first, where DMA sends single tokens to the kernel, a DMA backup
+                   # of them anyway.
+                   "dma backup + kernel load, 16 blocks": TransferEngine(
+                       case.host, Split(dma, KernelBackend(KernelConfig(max_blocks=16)))),
+                   "dma backup (every copy) + kernel load": TransferEngine(
+                       case.host, Split(DMABackend(DMAConfig(kernel_below=0)), kernel))}
         engines = {k: e for k, e in engines.items() if not ARMS or k in ARMS}
         auto = get_backend("auto", dev)
         before = Counter(auto.picks)
