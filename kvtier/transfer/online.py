@@ -48,13 +48,14 @@ class OnlineChooser:
     """Per shape: explore each candidate ``explore`` times, then keep the one with the best
     :func:`score` (the prior's order breaks a tie within ``tie``).
 
-    A transfer that will share the link with one in the other direction (its
-    key ends with ``DUPLEX``) takes ``when_shared`` whenever that is a
-    candidate, without exploring: each sample only times its own direction,
-    and a zero-copy kernel's cost falls on the other one. On an H200 a
-    backup and a load together moved 1.50-1.78x of one direction's limit
-    when both went through the copy engines and 1.03-1.13x when either was a
-    zero-copy kernel (bench/results/transfer_h200*.json, runs 12-13). The
+    A backup that will share the link with a load (its key ends with
+    ``DUPLEX``) takes ``when_shared`` whenever that is a candidate, without
+    exploring: each sample only times its own direction, and a zero-copy
+    kernel's cost falls on the other one. On an H200 a backup and a load
+    together moved 1.50-1.78x of one direction's limit when both went through
+    the copy engines and 1.03-1.13x when both were zero-copy kernels, or the
+    backup was (bench/results/transfer_h200*.json, runs 12-13; run 113). (So
+    does a shared load with ``pair_loads`` off, or one with a single candidate.) The
     exception: where ``when_shared`` has been timed alone at under
     ``shared_margin`` of the best (copies of single scattered tokens, 0.66-0.69x
     against the kernel's 0.88-0.90x), the pair went faster with the kernel
