@@ -80,7 +80,23 @@ PATH, TOKENS = args("/tmp/probe_pair_mix.json")
 CASES = [(k, lay, int(ps)) for k, lay, ps in
          (sys.argv[i + 1].split("/") for i, a in enumerate(sys.argv) if a == "--case")] or \
     [(k, "layer_first", 64) for k in ("mla", "mha", "dsa")]
-ARMS = [sys.argv[i + 1] for i, a in enumerate(sys.argv) if a == "--arm"]  # default: all
+# Each arm's io_backend, from the shared kernel and DMA backends.
+ALL_ARMS = {
+    "dma + dma": lambda kernel, dma: "dma",
+    "kernel + kernel": lambda kernel, dma: "kernel",
+    "kernel + kernel, host order off": lambda kernel, dma: KernelBackend(KernelConfig(host_order=False)),
+    "kernel backup + dma load": lambda kernel, dma: Split(kernel, dma),
+    "dma backup + kernel load": lambda kernel, dma: Split(dma, kernel),
+    "auto": lambda kernel, dma: "auto",
+    # After run 119 (next steps 1-2): what holds the best single-token mix at 1.10-1.28x: the
+    # kernel load with fewer blocks beside the DMA backup's gathers, and on layer_first, where
+    # DMA sends single tokens to the kernel, a DMA backup of them anyway.
+    "dma backup + kernel load, 16 blocks": lambda kernel, dma: Split(dma, KernelBackend(KernelConfig(max_blocks=16))),
+    "dma backup (every copy) + kernel load": lambda kernel, dma: Split(DMABackend(DMAConfig(kernel_below=0)), kernel),
+}
+ARMS = [sys.argv[i + 1] for i, a in enumerate(sys.argv) if a == "--arm"] or list(ALL_ARMS)
+if unknown := [a for a in ARMS if a not in ALL_ARMS]:
+    sys.exit(f"unknown --arm {unknown}; use some of {list(ALL_ARMS)}")
 log = JsonLog(PATH, tokens=TOKENS, cases=["/".join(map(str, c)) for c in CASES])
 
 
@@ -110,25 +126,12 @@ def main() -> None:
     clock, limits, rng = start(log)
     dev = torch.device("cuda")
     kernel, dma = get_backend("kernel", dev), get_backend("dma", dev)
+    backends = {name: make(kernel, dma) for name, make in ALL_ARMS.items() if name in ARMS}
     seen_keys = set()
     for kind, layout, ps in CASES:
         case = Case(kind, layout, ps, TOKENS, "cuda", None)
         idx = case.indices(True, rng)
-        engines = {"dma + dma": TransferEngine(case.host, "dma"), "kernel + kernel": TransferEngine(case.host, "kernel"),
-                   "kernel + kernel, host order off": TransferEngine(
-                       case.host, KernelBackend(KernelConfig(host_order=False))),
-                   "kernel backup + dma load": TransferEngine(case.host, Split(kernel, dma)),
-                   "dma backup + kernel load": TransferEngine(case.host, Split(dma, kernel)),
-                   "auto": TransferEngine(case.host, "auto"),
-                   # After run 119 (next steps 1-2): what holds the best single-token mix at
-                   # 1.10-1.28x: the kernel load with fewer blocks beside the DMA backup's gathers,
-                   # and on layer_first, where DMA sends single tokens to the kernel, a DMA backup
-                   # of them anyway.
-                   "dma backup + kernel load, 16 blocks": TransferEngine(
-                       case.host, Split(dma, KernelBackend(KernelConfig(max_blocks=16)))),
-                   "dma backup (every copy) + kernel load": TransferEngine(
-                       case.host, Split(DMABackend(DMAConfig(kernel_below=0)), kernel))}
-        engines = {k: e for k, e in engines.items() if not ARMS or k in ARMS}
+        engines = {name: TransferEngine(case.host, b) for name, b in backends.items()}
         auto = get_backend("auto", dev)
         before = Counter(auto.picks)
         times = in_turn({k: (lambda e=e: measure(case, e, "both", idx, clock, 1)) for k, e in engines.items()},
