@@ -262,6 +262,38 @@ def test_a_shared_load_is_chosen_by_what_its_pairs_moved():
     assert c.pick(single, ["dma"]) == "dma"
 
 
+def test_pick_by_pairs_keeps_the_candidate_whose_pairs_moved_most_not_its_own_rate():
+    """H200 run 121: a zero-copy backup on 8 blocks timed itself slower than on 32, in pairs
+    that moved 71 GB/s against 59 (MHA page_first single tokens)."""
+    c = OnlineChooser()
+    key = (True, "p1", DUPLEX)
+    rates = {"kernel": (50.0, 59.0), "kernel@8": (36.0, 71.0)}
+    seen = []
+    for _ in range(2 * c.explore):
+        pick = c.pick_by_pairs(key, ["kernel", "kernel@8"])
+        seen.append(pick)
+        c.record(key, pick, rates[pick][0])
+        c.record_pair(key, pick, rates[pick][1])
+    assert seen == ["kernel"] * 3 + ["kernel@8"] * 3
+    assert c.pick_by_pairs(key, ["kernel", "kernel@8"]) == "kernel@8"
+    c.record_pair(key, "kernel", 90.0)  # where the pairs say otherwise, the other one
+    c.record_pair(key, "kernel", 90.0)
+    assert c.pick_by_pairs(key, ["kernel", "kernel@8"]) == "kernel"
+
+
+def test_auto_names_its_fewer_block_backup_only_where_it_has_fewer_blocks():
+    pytest.importorskip("triton")
+    from kvtier.transfer.auto import SHARED_BACKUP_BLOCKS, AutoBackend
+    from kvtier.transfer.dma import DMABackend
+    from kvtier.transfer.kernel import KernelBackend, KernelConfig
+    auto = AutoBackend(KernelBackend(KernelConfig(max_blocks=32)), DMABackend())
+    assert auto._throttled(None) == f"kernel@{SHARED_BACKUP_BLOCKS}"
+    assert auto._throttled(SHARED_BACKUP_BLOCKS) is None and auto._throttled(4) is None
+    assert AutoBackend(KernelBackend(), DMABackend(), shared_backup_blocks=None)._throttled(None) is None
+    with pytest.raises(ValueError, match="shared_backup_blocks"):
+        AutoBackend(KernelBackend(), DMABackend(), shared_backup_blocks=0)
+
+
 def test_harvest_files_what_a_transfer_and_those_beside_it_moved_once_all_have_finished():
     from kvtier.transfer.online import PendingTimings
     c, t = OnlineChooser(explore=1), PendingTimings()

@@ -58,11 +58,27 @@ that bounds the idea rather than a candidate. Command:
 ``--case mha/layer_first/1 --case mla/layer_first/1 --case mha/page_first/1 --arm "dma
 backup + kernel load" --arm "dma backup + kernel load, 16 blocks" --arm "dma backup (every
 copy) + kernel load" --arm "kernel + kernel"``.
+Run 120 (``probe_pair_mix_h200_run120.json``): the load's kernel on 16 blocks beside a DMA
+backup, 1.302x against 1.275x on 32 (MHA page_first: within 0.03x, as predicted) but 0.997x
+against 1.076x and 0.946x against 1.034x on layer_first (MHA, MLA: not); a DMA backup of
+layer_first single tokens 0.42x (predicted well under the kernel's pair: yes). On layer_first
+``dma backup + kernel load`` is the kernel both ways (DMA hands those tokens to the kernel).
+Run 121 (``probe_pair_mix_h200_run121.json``), the kernel both ways on different blocks: a
+backup on 8 blocks beside a load on 32, 1.280x (MHA layer_first), 1.224x (MLA layer_first),
+1.297x (MHA page_first) against 1.071x, 1.040x, 1.075x on 32 and 32; but 0.805x against
+1.024x on MLA page_first. More blocks for the load alone (132) 1.09-1.13x. The zero-copy
+backup's writes crowd out the load's reads; fewer blocks leave them room.
+Run 122 (``probe_pair_mix_h200_run122.json``): ``auto`` trying a shared kernel backup on 8
+blocks too (``AutoBackend.shared_backup_blocks``) and keeping what its pairs moved more:
+1.278x (MHA layer_first), 1.135x (MLA), 1.053x (DSA) against the kernel both ways' 1.071x,
+1.031x, 0.940x and the 8-block arm's 1.298x, 1.162x, 1.080x; MLA page_first kept its DMA
+backups (1.109x, the best arm 1.105x).
 Usage: python bench/probes/pair_mix.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE ...] [--arm NAME ...]
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import Counter
 
@@ -94,9 +110,27 @@ ALL_ARMS = {
     "dma backup + kernel load, 16 blocks": lambda kernel, dma: Split(dma, KernelBackend(KernelConfig(max_blocks=16))),
     "dma backup (every copy) + kernel load": lambda kernel, dma: Split(DMABackend(DMAConfig(kernel_below=0)), kernel),
 }
+# After run 120: any "X backup + Y load" with X, Y "dma" or "kernel@N" (the kernel on N blocks),
+# e.g. "kernel@8 backup + kernel@64 load": does a zero-copy backup crowd out a zero-copy load's
+# reads (their requests go up the link beside the backup's writes)?
+SIDE = re.compile(r"(dma|kernel@(\d+)) backup \+ (dma|kernel@(\d+)) load")
+
+
+def one_side(name: str, blocks: str | None, dma):
+    return dma if name == "dma" else KernelBackend(KernelConfig(max_blocks=int(blocks)))
+
+
+def arm_backend(name: str, kernel, dma):
+    if name in ALL_ARMS:
+        return ALL_ARMS[name](kernel, dma)
+    m = SIDE.fullmatch(name)
+    return Split(one_side(m[1], m[2], dma), one_side(m[3], m[4], dma))
+
+
 ARMS = [sys.argv[i + 1] for i, a in enumerate(sys.argv) if a == "--arm"] or list(ALL_ARMS)
-if unknown := [a for a in ARMS if a not in ALL_ARMS]:
-    sys.exit(f"unknown --arm {unknown}; use some of {list(ALL_ARMS)}")
+if unknown := [a for a in ARMS if a not in ALL_ARMS and not SIDE.fullmatch(a)]:
+    sys.exit(f"unknown --arm {unknown}; use some of {list(ALL_ARMS)}, or 'X backup + Y load' "
+             f"with X and Y each 'dma' or 'kernel@N' (N blocks)")
 log = JsonLog(PATH, tokens=TOKENS, cases=["/".join(map(str, c)) for c in CASES])
 
 
@@ -126,7 +160,7 @@ def main() -> None:
     clock, limits, rng = start(log)
     dev = torch.device("cuda")
     kernel, dma = get_backend("kernel", dev), get_backend("dma", dev)
-    backends = {name: make(kernel, dma) for name, make in ALL_ARMS.items() if name in ARMS}
+    backends = {name: arm_backend(name, kernel, dma) for name in ARMS}
     seen_keys = set()
     for kind, layout, ps in CASES:
         case = Case(kind, layout, ps, TOKENS, "cuda", None)

@@ -32,6 +32,7 @@ from .kernel import KernelBackend, check_mapped, host_numpy, numpy_if_host
 from .online import DUPLEX, OnlineChooser, PendingTimings, shape_key
 from .timing import event_seconds
 from .triton_kernels import copy_items, layer_ptr_table
+from ..validate import require_positive_int
 
 WIDTHS = (256, 1024, 4096, 1 << 20)
 # Candidates predicted more than this many times slower than the best are not tried. The
@@ -43,6 +44,14 @@ WIDTHS = (256, 1024, 4096, 1 << 20)
 EXPLORE_WITHIN = 4.0
 CAL_BYTES = 32 << 20
 PITCH_ROWS = 32
+# A zero-copy backup beside a zero-copy load takes most of the link: its writes crowd out
+# the load's reads. On these many blocks it leaves them room. Single scattered tokens on an
+# H200, kernel both ways with the backup on 8 blocks and the load on 32 against 32 and 32:
+# 1.280x against 1.071x (MHA layer_first), 1.224x against 1.040x (MLA layer_first), 1.297x
+# against 1.075x (MHA page_first), but 0.805x against 1.024x (MLA page_first) (run 121,
+# bench/results/probe_pair_mix_h200_run121.json). So it is a candidate, kept only where
+# its pairs moved more (OnlineChooser.pick_by_pairs).
+SHARED_BACKUP_BLOCKS = 8
 
 
 @dataclass
@@ -135,9 +144,13 @@ def rank(predicted: dict[str, float], within: float = EXPLORE_WITHIN) -> list[st
 class AutoBackend(Backend):
     name = "auto"
 
-    def __init__(self, kernel: KernelBackend, dma: DMABackend, explore: int = 3):
+    def __init__(self, kernel: KernelBackend, dma: DMABackend, explore: int = 3,
+                 shared_backup_blocks: int | None = SHARED_BACKUP_BLOCKS):
+        if shared_backup_blocks is not None:
+            require_positive_int("shared_backup_blocks", shared_backup_blocks)
         self.kernel = kernel
         self.dma = dma
+        self.shared_backup_blocks = shared_backup_blocks
         self._models: dict[int, CostModel] = {}
         self._lock = threading.Lock()
         self.chooser = OnlineChooser(explore)
@@ -183,6 +196,13 @@ class AutoBackend(Backend):
     def load(self, parts, host_idx, dev_idx, layer):
         self.prepare(parts, host_idx, dev_idx, False, whole=False)(layer)
 
+    def _throttled(self, block_quota: int | None) -> str | None:
+        """The candidate name of a zero-copy backup on ``shared_backup_blocks`` (None where
+        that is no fewer blocks than it would have anyway)."""
+        n = self.shared_backup_blocks
+        full = self.kernel.config.max_blocks if block_quota is None else block_quota
+        return f"kernel@{n}" if n is not None and n < full else None
+
     def prepare(self, parts, host_idx, dev_idx, to_host: bool, block_quota: int | None = None, whole: bool = True,
                 host_np: np.ndarray | None = None, dev_np: np.ndarray | None = None):
         """Choose kernel or DMA for this transfer from measured times; returns ``run(layer)``.
@@ -225,6 +245,11 @@ class AutoBackend(Backend):
             start.record(torch.cuda.current_stream(device))
         self._dma_able[to_host] = "dma" in candidates
         choice = self.chooser.pick(key, candidates, not self._dma_able.get(not to_host, True))
+        throttled = self._throttled(block_quota)
+        if to_host and choice == "kernel" and key[-1] == DUPLEX and throttled:
+            choice = self.chooser.pick_by_pairs(key, ["kernel", throttled])
+            if choice == throttled:
+                block_quota = self.shared_backup_blocks
         self.picks[("backup" if to_host else "load", choice)] += 1
         # DMA plans are made only for DMA (chunk by chunk as the chunks are queued).
         if choice == "dma":

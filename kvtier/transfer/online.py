@@ -76,7 +76,10 @@ class OnlineChooser:
     DMA load of single tokens timed 50 GB/s on its own in pairs that moved
     60 GB/s; a kernel load 37); the pair's can. Backups keep the rule above:
     a zero-copy backup held every pair timed to about one direction's rate
-    (1.05-1.09x, run 113).
+    (1.05-1.09x, run 113). Where a shared backup goes by the kernel all the
+    same, :mod:`.auto` also tries it on fewer blocks and keeps whichever
+    pairs moved more (:meth:`pick_by_pairs`; run 122: single scattered tokens
+    on layer_first 1.07 -> 1.28x for MHA).
     """
 
     explore: int = 3
@@ -111,6 +114,11 @@ class OnlineChooser:
             if solo:
                 return max(solo, key=solo.get)
         return self._explored_pick(key, candidates)
+
+    def pick_by_pairs(self, key, candidates: list[str]) -> str:
+        """Among ``candidates`` for a transfer under shared ``key``: explore each, then keep
+        the one whose pairs moved most (as a shared load with ``pair_loads``)."""
+        return self._explored_pick(key, candidates, by_pair=True)
 
     def _explored_pick(self, key, candidates: list[str], by_pair: bool = False) -> str:
         """The first candidate short of ``explore`` samples, else the best :func:`score`
