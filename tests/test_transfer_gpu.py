@@ -597,7 +597,8 @@ def test_auto_files_concurrent_samples_under_duplex_keys():
     assert pairs, dict(eng.backend.chooser.pairs)
     for key, by in pairs.items():
         own = eng.backend.chooser.samples[key]
-        back = [v for k, c in eng.backend.chooser.samples.items() if k[0] and k[-1] == DUPLEX for v in c.values()]
+        # (A candidate only looked at has an empty list: auto's fewer-block backup, run 123.)
+        back = [v for k, c in eng.backend.chooser.samples.items() if k[0] and k[-1] == DUPLEX for v in c.values() if v]
         for cand, rates in by.items():
             assert all(0 < r <= max(own[cand]) + max(max(b) for b in back) for r in rates), (rates, own, back)
     host.close()

@@ -70,8 +70,11 @@ def test_a_shared_transfer_takes_dma_unless_dma_alone_was_far_slower():
     c.record(solo, "kernel", 50.0)
     c.record(solo, "dma", 41.0)                                # 0.82 of the kernel: still dma
     assert c.pick(shared, ["kernel", "dma"]) == "dma"
+    c.record(solo + ("m",), "kernel", 49.6)
+    c.record(solo + ("m",), "dma", 38.8)                       # 0.78: still dma (run 123, MLA page 64)
+    assert c.pick(solo + ("m", DUPLEX), ["kernel", "dma"]) == "dma"
     c.record(solo + ("b",), "kernel", 50.0)
-    c.record(solo + ("b",), "dma", 38.0)                       # 0.76 (scattered single tokens)
+    c.record(solo + ("b",), "dma", 33.0)                       # 0.66 (scattered single tokens, run 15)
     assert c.pick(solo + ("b", DUPLEX), ["kernel", "dma"]) == "kernel"
     assert c.pick(solo + ("b", DUPLEX), ["dma"]) == "dma"       # only candidate
 

@@ -244,8 +244,12 @@ class AutoBackend(Backend):
             start = torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(device))
         self._dma_able[to_host] = "dma" in candidates
-        choice = self.chooser.pick(key, candidates, not self._dma_able.get(not to_host, True))
-        throttled = self._throttled(block_quota)
+        partner_kernel_only = not self._dma_able.get(not to_host, True)
+        choice = self.chooser.pick(key, candidates, partner_kernel_only)
+        # Fewer blocks only where the loads beside are likely zero-copy too: the backup can only
+        # go by the kernel (and so can they, on the same rows), or they can. Beside DMA loads a
+        # kernel backup on 8 blocks ran at 1.05x (MLA layer_first page 64, run 123).
+        throttled = self._throttled(block_quota) if "dma" not in candidates or partner_kernel_only else None
         if to_host and choice == "kernel" and key[-1] == DUPLEX and throttled:
             choice = self.chooser.pick_by_pairs(key, ["kernel", throttled])
             if choice == throttled:
