@@ -1,0 +1,121 @@
+"""Probe: what queueing a batch of small copies costs the host, and whether two threads share it.
+
+After run 124: DMA's pairs on single scattered tokens are host-bound. MHA page_first, 32k
+tokens, both ways by DMA: the load's call returned after 63.5 ms and the backup's last copy
+was queued at 109.5 ms, when both ended on the device (109.6 and 129.7 ms; 1.16x). Each way
+is 32,822 copies of ~128 KiB (runs of host slots, K and V). The DMA planner's own share is
+13-14 ms a way (``dma_plan_time.py``, CPU); the rest is the runtime's. The copy engines
+alone move such copies both ways at 76 GB/s (64 KiB) and 85 GB/s (128 KiB) when queued ahead
+(run 82, ``probe_copy_streams_h200.json``): 1.37-1.53x of one way, if the host kept up.
+
+Arms, for 32,768 copies of 64 KiB and 128 KiB to random places in a pinned host buffer:
+the host's wall time to queue them with ``cudaMemcpyBatchAsync`` in calls of 128, 512 and
+2,048 copies on one stream (the backend queues at most a chunk's copies per call), one
+thread; and the same copies split over two threads, each queueing its half on its own stream
+(ctypes lets go of the GIL during the call). Also both ways at once, a thread per way, as a
+pair's backup and load are queued. Per arm: host microseconds per copy (median of five) and
+the device's GB/s from the gate that holds the copies until all are queued (a spin of ~150 ms
+ahead of it; where the host takes longer, the device time includes the rest of the queueing)
+to the last copy's end.
+Predictions: about 1-1.5 us of host time per copy at 512 a call, less per copy in larger
+calls; if the runtime serializes queueing (one lock per context), two threads take as long
+as one and DMA both ways on single tokens stays host-bound (blocked); if not, two threads
+halve the wall time, and the DMA backend could queue a pair's two directions at once.
+Usage: python bench/probes/queue_cost.py OUT.json [--copies N]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+from kvtier.transfer import cudart
+from probelib import JsonLog, args
+
+COPIES = int(sys.argv[sys.argv.index("--copies") + 1]) if "--copies" in sys.argv else 32768
+SIZES = (64 << 10, 128 << 10)
+PER_CALL = (128, 512, 2048)
+PATH, _ = args("/tmp/probe_queue_cost.json")
+log = JsonLog(PATH, copies=COPIES)
+
+
+def queue(dst: np.ndarray, src: np.ndarray, size: int, per_call: int, stream: torch.cuda.Stream) -> None:
+    sizes = np.full(per_call, size, dtype=np.uint64)
+    for j in range(0, dst.size, per_call):
+        n = min(per_call, dst.size - j)
+        cudart.memcpy_batch(dst[j:j + n], src[j:j + n], sizes[:n], stream.cuda_stream)
+
+
+def timed(jobs: list[tuple], per_call: int) -> tuple[float, float]:
+    """Queue each job ``(dst, src, size, stream)`` on a thread of its own (one job: this
+    thread); the host's wall time to queue them all, and the device's seconds from the gate
+    the copies wait behind to the last copy's end."""
+    cur = torch.cuda.current_stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # Hold the streams until every job is queued, so the device time is the copies', not the queueing's.
+    gate = torch.cuda.Event()
+    # ~150 ms at 2 GHz on the current stream, ahead of the gate: longer than the queueing is
+    # predicted to take (both ways, 2 x 32k copies at ~1.5 us), so the copies start together.
+    torch.cuda._sleep(300_000_000)
+    start.record(cur)
+    gate.record(cur)
+    for *_, s in jobs:
+        s.wait_event(gate)
+    t0 = time.perf_counter()
+    if len(jobs) == 1:
+        queue(*jobs[0][:3], per_call, jobs[0][3])
+    else:
+        threads = [threading.Thread(target=queue, args=(*j[:3], per_call, j[3])) for j in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    host = time.perf_counter() - t0
+    for *_, s in jobs:
+        cur.wait_stream(s)
+    end.record(cur)
+    end.synchronize()
+    return host, start.elapsed_time(end) / 1e3
+
+
+def main() -> None:
+    torch.cuda.set_stream(torch.cuda.Stream())  # batched copies refuse the legacy default stream
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    rng = np.random.default_rng(0)
+    for size in SIZES:
+        payload = COPIES * size
+        host = torch.empty(4 * payload, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(2 * payload, dtype=torch.uint8, device="cuda")
+        places = rng.permutation(4 * COPIES)[: 2 * COPIES].astype(np.uint64) * np.uint64(size)
+        h_out, h_in = places[:COPIES] + np.uint64(host.data_ptr()), places[COPIES:] + np.uint64(host.data_ptr())
+        d_out = np.arange(COPIES, dtype=np.uint64) * np.uint64(size) + np.uint64(dev.data_ptr())
+        d_in = d_out + np.uint64(payload)
+        half = COPIES // 2
+        arms = {
+            "d2h, 1 thread": [(h_out, d_out, size, streams[0])],
+            "d2h, 2 threads": [(h_out[:half], d_out[:half], size, streams[0]),
+                               (h_out[half:], d_out[half:], size, streams[1])],
+            "both, 1 thread each way": [(h_out, d_out, size, streams[0]), (d_in, h_in, size, streams[1])],
+        }
+        for per_call in PER_CALL:
+            cells = {}
+            for name, jobs in arms.items():
+                timed(jobs, per_call)  # warm-up
+                runs = [timed(jobs, per_call) for _ in range(5)]
+                n = sum(j[0].size for j in jobs)
+                host_s = statistics.median(r[0] for r in runs)
+                dev_s = statistics.median(r[1] for r in runs)
+                cells[name] = {"host_us_per_copy": round(1e6 * host_s / n, 3), "host_ms": round(1e3 * host_s, 2),
+                               "device_gbps": round(n * size / dev_s / 1e9, 2)}
+            log(f"{size >> 10}KiB/{per_call} per call", cells)
+        del host, dev
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
