@@ -241,11 +241,12 @@ class PendingTimings:
             spans = done + self._pending + list(self._recent)
             self._recent.extend(done)
             paired, self._paired = self._paired, []
+        found = {}  # id of a transfer finished now: those beside it (each a few event queries)
         for p in done:
             ms = p.start.elapsed_time(p.end)
             if ms <= 0:
                 continue
-            beside = _beside(p, spans)
+            beside = found[id(p)] = _beside(p, spans)
             self._last_shared[p.key[0]] = bool(beside)
             chooser.record(_solo(p.key) + (DUPLEX,) if beside else _solo(p.key), p.candidate, p.nbytes / ms / 1e6)
             if beside:
@@ -253,7 +254,7 @@ class PendingTimings:
         # What each transfer and those beside it moved together, once all of them have finished.
         waiting = []
         for p in paired:
-            beside = _beside(p, spans)
+            beside = found[id(p)] if id(p) in found else _beside(p, spans)
             if not beside:  # those beside it have left the recent history: no pair to file
                 continue
             if not all(q.complete() for q in beside):
