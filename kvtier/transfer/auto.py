@@ -247,11 +247,12 @@ class AutoBackend(Backend):
         self._dma_able[to_host] = "dma" in candidates
         partner_kernel_only = not self._dma_able.get(not to_host, True)
         choice = self.chooser.pick(key, candidates, partner_kernel_only)
-        # Fewer blocks only where the loads beside are likely zero-copy too: this backup has no
-        # DMA candidate (nor, on the same rows, have the loads), or the loads have none. Beside
-        # DMA loads a kernel backup on 8 blocks ran at 1.05x (MLA layer_first page 64, run 123).
-        throttled = self._throttled(block_quota) if "dma" not in candidates or partner_kernel_only else None
-        if to_host and choice == "kernel" and key[-1] == DUPLEX and throttled:
+        # A shared kernel backup is also tried on fewer blocks, only where the loads beside are
+        # likely zero-copy too: this backup has no DMA candidate (nor, on the same rows, have the
+        # loads), or the loads have none. Beside DMA loads a kernel backup on 8 blocks ran at
+        # 1.05x (MLA layer_first page 64, run 123).
+        if (to_host and choice == "kernel" and key[-1] == DUPLEX and ("dma" not in candidates or partner_kernel_only)
+                and (throttled := self._throttled(block_quota))):
             choice = self.chooser.pick_by_pairs(key, ["kernel", throttled])
             if choice == throttled:
                 block_quota = self.shared_backup_blocks

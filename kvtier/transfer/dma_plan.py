@@ -76,11 +76,7 @@ class Runs:
         n = int(host_idx.size)
         if not n:
             return Runs(0, (), ())
-        # One run, as an allocator hands slots out: strictly increasing over a span of n - 1
-        # slots is first, first + 1, ... One comparison pass, no index arrays: 10 us against
-        # 27 for 32k slots on a CI core; in an H200 transfer call the general path took 0.19 ms
-        # (run 64, ``probe_host_steps_h200_run64.json``), on the way to the first copy.
-        if int(host_idx[-1]) - int(host_idx[0]) == n - 1 and bool((host_idx[1:] > host_idx[:-1]).all()):
+        if _one_run(host_idx):
             return Runs(n, (n,), (1,))
         starts = run_starts(host_idx)  # more than one run: the shortcut above takes one
         lengths, counts = np.unique(np.diff(np.append(starts, n)), return_counts=True)
@@ -94,28 +90,35 @@ class Runs:
     @property
     def mean_class(self) -> int:
         """log2 of the mean run length."""
-        return int(math.log2(max(self.n / max(1, sum(self.counts)), 1)))
+        return _mean_class(self.n, sum(self.counts))
+
+
+def _one_run(host_idx: np.ndarray) -> bool:
+    """One run, as an allocator hands slots out (``host_idx`` not empty): strictly increasing
+    over a span of n - 1 slots is first, first + 1, ... One comparison pass, no index arrays:
+    10 us against 27 for 32k slots on a CI core; in an H200 transfer call the general path
+    took 0.19 ms (run 64, ``probe_host_steps_h200_run64.json``), on the way to the first copy."""
+    return (int(host_idx[-1]) - int(host_idx[0]) == host_idx.size - 1
+            and bool((host_idx[1:] > host_idx[:-1]).all()))
+
+
+def _mean_class(n: int, runs: int) -> int:
+    return int(math.log2(max(n / max(1, runs), 1)))
 
 
 def run_count(host_idx: np.ndarray) -> int:
     """How many runs of consecutive slots ``host_idx`` holds (``sum(Runs.of(host_idx).counts)``)
     in one comparison pass, without their lengths: 30-40 us against Runs.of's ~210 us for 32k
     scattered slots on a CI core (its ``np.unique`` of the lengths), ~10 us for one run."""
-    n = int(host_idx.size)
-    if n == 0:
+    if host_idx.size == 0:
         return 0
-    if int(host_idx[-1]) - int(host_idx[0]) == n - 1 and bool((host_idx[1:] > host_idx[:-1]).all()):
-        return 1
-    return 1 + int(np.count_nonzero(np.diff(host_idx) != 1))
+    return 1 if _one_run(host_idx) else 1 + int(np.count_nonzero(np.diff(host_idx) != 1))
 
 
 def run_class(host_idx: np.ndarray, runs: Runs | None = None) -> int:
     """log2 of the mean length of the runs of consecutive slots: what decides how copies split
     (:attr:`Runs.mean_class`; without ``runs``, from :func:`run_count` alone)."""
-    if runs is not None:
-        return runs.mean_class
-    n = int(host_idx.size)
-    return int(math.log2(max(n / max(1, run_count(host_idx)), 1)))
+    return runs.mean_class if runs is not None else _mean_class(int(host_idx.size), run_count(host_idx))
 
 
 @dataclass(frozen=True)
