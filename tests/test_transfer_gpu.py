@@ -624,11 +624,16 @@ def test_auto_tries_a_shared_zero_copy_backup_on_fewer_blocks_and_every_byte_lan
     want = {k: _b(st[:, d_load.cuda()]).clone() for k, st in dev.stacks.items()}
     for st in dev.stacks.values():
         st[:, d_load.cuda()] = 0
-    for _ in range(12):
+    # Whether a backup counts as shared depends on how its last one overlapped the load beside
+    # it, a matter of host timing: 12 rounds explored the 8-block backup 3 times in run 124 and
+    # twice in run 126. Rounds go on until it has been explored (40 at most).
+    for _ in range(40):
         hd = eng.backup(h_back, d_back)
         ld = eng.load(h_load, d_load)
         hd.synchronize()
         ld.synchronize()
+        if auto.picks[("backup", "kernel@8")] >= auto.chooser.explore:
+            break
     assert auto.picks[("backup", "kernel@8")] >= auto.chooser.explore, auto.picks
     assert auto.picks[("backup", "dma")] == 0 and auto.picks[("load", "dma")] == 0, auto.picks
     for k, st in dev.stacks.items():

@@ -21,6 +21,13 @@ Predictions: about 1-1.5 us of host time per copy at 512 a call, less per copy i
 calls; if the runtime serializes queueing (one lock per context), two threads take as long
 as one and DMA both ways on single tokens stays host-bound (blocked); if not, two threads
 halve the wall time, and the DMA backend could queue a pair's two directions at once.
+Run 126 (``probe_queue_cost_h200_run126.json``, 32,768 copies): from one thread onto one
+stream the host blocked until the gate opened (~164 ms, the spin): the runtime holds fewer
+than 32k copies pending on a stream, so a call that gets that far ahead waits on the device.
+Both ways at once, queued ahead: 93-95 GB/s (1.69-1.72x of one way).
+Run 127 (``probe_queue_cost_h200_16k_run127.json``, ``--copies 16384``): 0.40-0.48 us a copy
+from one thread in batches of 128-2,048, and two threads on two streams no faster in all
+(0.42-0.60 us a copy): the runtime queues for one thread at a time. Both ways 92-97 GB/s.
 Usage: python bench/probes/queue_cost.py OUT.json [--copies N]
 """
 
