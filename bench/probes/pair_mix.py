@@ -73,6 +73,19 @@ blocks too (``AutoBackend.shared_backup_blocks``) and keeping what its pairs mov
 1.278x (MHA layer_first), 1.135x (MLA), 1.053x (DSA) against the kernel both ways' 1.071x,
 1.031x, 0.940x and the 8-block arm's 1.298x, 1.162x, 1.080x; MLA page_first kept its DMA
 backups (1.109x, the best arm 1.105x).
+After run 126 (not yet run): DMA both ways on single scattered tokens is host-bound (run
+124, MHA page_first: load() returned at 63.5 ms, the backup wholly queued at 109.5 ms, the
+pair 1.16x), while the copy engines move 32k scattered 64-128 KiB copies both ways at 93-95
+GB/s when queued ahead (1.69-1.72x; ``probe_queue_cost_h200.json``), and two threads queue
+them in 20 ms. While a load is prepared the background thread waits up to ``give_way_s`` (5
+ms) between the backup's chunks. Arms ``dma + dma, no give-way`` (it does not wait) and
+``dma + dma, backup queued first`` (no background thread: the caller queues the backup, then
+the load). Command: ``--case mha/page_first/1 --case mha/page_head/1 --case mla/page_first/1
+--arm "dma + dma" --arm "dma + dma, no give-way" --arm "dma + dma, backup queued first" --arm
+"dma backup + kernel load" --arm auto``. Predictions: if the two threads' host work overlaps
+(the runtime's calls let go of the GIL), no give-way ends the backup's queueing with the
+load's and lifts the pair from ~1.15x toward 1.3x; if the Python between the calls holds the
+GIL most of the time, within 0.03x of ``dma + dma``; backup queued first lowest.
 Usage: python bench/probes/pair_mix.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE ...] [--arm NAME ...]
 """
 
@@ -109,7 +122,14 @@ ALL_ARMS = {
     # DMA sends single tokens to the kernel, a DMA backup of them anyway.
     "dma backup + kernel load, 16 blocks": lambda kernel, dma: Split(dma, KernelBackend(KernelConfig(max_blocks=16))),
     "dma backup (every copy) + kernel load": lambda kernel, dma: Split(DMABackend(DMAConfig(kernel_below=0)), kernel),
+    # After run 126 (DMA's single-token pairs host-bound): the background thread not pausing
+    # for the load being prepared, and the backup queued wholly by the caller before the load.
+    "dma + dma, no give-way": lambda kernel, dma: "dma",
+    "dma + dma, backup queued first": lambda kernel, dma: "dma",
 }
+# Engine settings of the arms that differ from the others in the engine, not the backend.
+ENGINE_OPTS = {"dma + dma, no give-way": {"give_way_s": 0.0},
+               "dma + dma, backup queued first": {"background_backups": False}}
 # After run 120: any "X backup + Y load" with X, Y "dma" or "kernel@N" (the kernel on N blocks),
 # e.g. "kernel@8 backup + kernel@64 load": does a zero-copy backup crowd out a zero-copy load's
 # reads (their requests go up the link beside the backup's writes)?
@@ -155,6 +175,12 @@ class Split(Backend):
         self.prepare(parts, host_idx, dev_idx, False, whole=False)(layer)
 
 
+def engine_for(host, backend, opts: dict) -> TransferEngine:
+    eng = TransferEngine(host, backend, background_backups=opts.get("background_backups", True))
+    eng.give_way_s = opts.get("give_way_s", eng.give_way_s)
+    return eng
+
+
 def main() -> None:
     torch.cuda.set_stream(torch.cuda.Stream())
     clock, limits, rng = start(log)
@@ -165,7 +191,7 @@ def main() -> None:
     for kind, layout, ps in CASES:
         case = Case(kind, layout, ps, TOKENS, "cuda", None)
         idx = case.indices(True, rng)
-        engines = {name: TransferEngine(case.host, b) for name, b in backends.items()}
+        engines = {name: engine_for(case.host, b, ENGINE_OPTS.get(name, {})) for name, b in backends.items()}
         auto = get_backend("auto", dev)
         before = Counter(auto.picks)
         times = in_turn({k: (lambda e=e: measure(case, e, "both", idx, clock, 1)) for k, e in engines.items()},

@@ -33,8 +33,12 @@ from .base import Backend, chunk_hook, get_backend
 from ..validate import require_positive_int
 
 
-# The longest the background thread waits, between two chunks of a backup, for a load
-# being prepared (a 128 MiB chunk takes the copy engine ~2.4 ms on an H200).
+# The longest the background thread waits, in all, for a load being prepared (from the
+# load's start; it waits between a backup's chunks, and a 128 MiB chunk takes the copy engine
+# ~2.4 ms on an H200). A load's first layer is queued in 2-3 ms alone (H200 run 22); a load
+# whose first call queues every copy (DMA, single tokens on page_first: ~85 ms) shares the
+# host after that: waiting the whole time held DMA pairs there to 1.07-1.21x of one way,
+# against 1.42-1.48x not waiting (run 127, probe_pair_mix_h200_run127.json).
 GIVE_WAY_S = 0.005
 
 
@@ -244,6 +248,10 @@ class TransferEngine:
         self._last_queued: Future | None = None  # the latest backup handed to the backlog
         self._loading = 0  # loads being prepared now: the background thread gives way to them
         self._give_way = threading.Condition()
+        # How long the background thread waits, at most and in all, for a load being prepared
+        # (0: it does not wait; the probe pair_mix times both), and until when it now does.
+        self.give_way_s = GIVE_WAY_S
+        self._give_way_until = 0.0
         if self.device.type == "cuda":
             lo, hi = torch.cuda.Stream.priority_range()
             self._priority = {True: lo, False: hi}
@@ -346,9 +354,11 @@ class TransferEngine:
     @contextmanager
     def _load_first(self):
         """While a load is prepared and its first layer queued, the background thread waits
-        between its chunks (at most ``GIVE_WAY_S`` each time, so a backup never stalls)."""
+        between its chunks, for at most ``give_way_s`` from the load's start in all (so a
+        backup never stalls, nor queues only in the gaps of a load that takes long)."""
         with self._give_way:
             self._loading += 1
+            self._give_way_until = max(self._give_way_until, time.perf_counter() + self.give_way_s)
         try:
             yield
         finally:
@@ -358,8 +368,8 @@ class TransferEngine:
 
     def _pause_for_loads(self) -> None:
         with self._give_way:
-            if self._loading:
-                self._give_way.wait(GIVE_WAY_S)
+            while self._loading and (left := self._give_way_until - time.perf_counter()) > 0:
+                self._give_way.wait(left)
 
     def _pump_in_thread(self, pump) -> None:
         """In the background thread: queue pending backups, giving way to loads being prepared
