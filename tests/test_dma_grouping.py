@@ -397,6 +397,51 @@ def _play_copies(calls, src, host) -> None:
         host[h0:h0 + w] = src[s0:s0 + w]
 
 
+@given(layout=st.sampled_from(["layer_first", "page_first", "page_head"]), ps=st.sampled_from([1, 4]),
+       n_pages=st.integers(1, 60), seed=st.integers(0, 2**16), keep=st.floats(0.2, 1.0), shuffled=st.booleans(),
+       stage_kib=st.sampled_from([1, 4, 1024]), ramp=st.sampled_from([0, 1 << 10]),
+       max_pitch=st.sampled_from([None, 256]), whole=st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_staged_backup_puts_every_byte_where_the_reference_does(layout, ps, n_pages, seed, keep, shuffled,
+                                                                stage_kib, ramp, max_pitch, whole):
+    """A backup through staging (:class:`ChunkedPlan`, or :func:`plan` whole), played on the
+    CPU, writes exactly the bytes a slot-by-slot copy writes, for host slots in runs of many
+    lengths at once (some pages of a stretch kept: every run's copies are its length's
+    template moved to where it starts, all lengths in one pass) or in no order."""
+    spec = KVSpec("mha", 3, torch.bfloat16, head_num=2, head_dim=8)  # 32-byte K or V rows
+    rng = np.random.default_rng(seed)
+    size = 64 * ps
+    comp = spec.components[0]
+    pl = LAYOUTS[layout].placement(comp, spec.layer_num, size, ps)
+    pages = np.sort(rng.permutation(64)[:n_pages])
+    pages = pages[rng.random(pages.size) < keep] if pages.size > 1 else pages
+    pages = rng.permutation(pages) if shuffled else pages
+    h = (pages[:, None] * ps + np.arange(ps)).reshape(-1).astype(np.int64)
+    d = rng.permutation(64 * ps)[:h.size]
+    dev = rng.integers(0, 256, (spec.layer_num, 64 * ps, pl.item_bytes), dtype=np.uint8)
+    p = (plan(pl, h, spec.layer_num, stage_kib << 10, max_pitch, ramp=ramp) if whole
+         else ChunkedPlan(pl, h, spec.layer_num, stage_kib << 10, max_pitch, ramp=ramp))
+    cb = pl.chunk_bytes  # page_head splits an item by head: chunk c of it lies apart
+    want = np.full(pl.total_bytes, 0xA5, dtype=np.uint8)
+    for layer in range(spec.layer_num):
+        for hs, ds in zip(h.tolist(), d.tolist()):
+            for c in range(pl.n_chunks):
+                at = pl.offset(hs, layer, c)
+                want[at:at + cb] = dev[layer, ds, c * cb:(c + 1) * cb]
+    host = np.full(pl.total_bytes, 0xA5, dtype=np.uint8)
+    for i in range(p.n_chunks):   # gather each chunk into staging, as the kernel would; then its copies
+        j0, m = p.items(i)
+        stg = np.zeros(p.staging_bytes, dtype=np.uint8)
+        for k in range(spec.layer_num):
+            for j in range(m):
+                for c in range(p.staging.n_chunks):
+                    at = p.staging.offset(j, k, c)
+                    w = p.staging.chunk_bytes
+                    stg[at:at + w] = dev[k, d[j0 + j], c * w:(c + 1) * w]
+        _play_copies(p.calls(i), stg, host)
+    assert np.array_equal(host, want)
+
+
 @given(si=st.sampled_from(range(len(LAYER_MAJOR_SPECS))), ps=st.sampled_from([1, 4]), n_pages=st.integers(1, 40),
        seed=st.integers(0, 2**16), one_run=st.booleans(), stage_layers=st.sampled_from([1, 2, 3, 100]),
        ramp=st.sampled_from([0, 1, 4 << 20]), max_pitch=st.sampled_from([None, 4096]))

@@ -12,6 +12,7 @@ Usage: python bench/probes/dma_plan_time.py KIND LAYOUT PAGE [GROUP]
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 
@@ -38,7 +39,8 @@ def main() -> None:
     if group:
         dma.load_group = lambda part, host_np, runs=None: group  # the GPU's trial loads, by hand
     for to_host in (True, False):
-        for _ in range(3):  # the last of three
+        times = []
+        for _ in range(9):  # the median of the last 8 (single timings on a shared core swung 7-14 ms)
             t0 = time.perf_counter()
             s_np, runs, order = dma.in_host_order(parts, h, Runs.of(h))
             plans = dma.plan_parts(parts, s_np, runs, order, to_host, to_host or bool(group))
@@ -50,8 +52,10 @@ def main() -> None:
                         tall, flat = q.calls(i)
                         calls += len(tall) + len(flat)
             t2 = time.perf_counter()
-        print(f"{kind} {layout} p{ps} {'backup' if to_host else 'load'}: plans {1e3 * (t1 - t0):.1f} ms, "
-              f"chunks {1e3 * (t2 - t1):.1f} ms, {calls} calls, {[type(p).__name__ for p in plans]}")
+            times.append((t1 - t0, t2 - t1))
+        plan_s, chunk_s = (statistics.median(t[k] for t in times[1:]) for k in (0, 1))
+        print(f"{kind} {layout} p{ps} {'backup' if to_host else 'load'}: plans {1e3 * plan_s:.1f} ms, "
+              f"chunks {1e3 * chunk_s:.1f} ms, {calls} calls, {[type(p).__name__ for p in plans]}")
     host.close()
 
 

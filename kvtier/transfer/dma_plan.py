@@ -437,24 +437,27 @@ def _copies(pl: Placement, stg: Placement, host_idx: np.ndarray, bounds: np.ndar
     """
     n = int(host_idx.size)
     starts = run_starts(host_idx, bounds[1:-1], stg_idx)
+    if not starts.size:
+        return np.zeros((0, 6), np.int64), np.zeros(0, np.int64)
     lengths = np.diff(np.append(starts, n))
     chunk_of = np.searchsorted(bounds, starts, side="right") - 1
-    out, owner = [], []
-    for k in np.unique(lengths).tolist():
-        of_k = lengths == k
-        sel = starts[of_k]
-        tpl = _run_template(pl, stg, int(k), layers)
-        h0 = _offsets(pl, host_idx[sel])
-        s0 = _offsets(stg, sel - bounds[chunk_of[of_k]] if stg_idx is None else stg_idx[sel])
-        rows = np.repeat(tpl[None, :, :], sel.size, axis=0)
-        rows[:, :, 0] += h0[:, None]
-        rows[:, :, 1] += s0[:, None]
-        out.append(rows.reshape(-1, 6))
-        owner.append(np.repeat(chunk_of[of_k], len(tpl)))
-    copies = np.concatenate(out) if out else np.zeros((0, 6), np.int64)
-    owner_all = np.concatenate(owner) if owner else np.zeros(0, np.int64)
-    order = np.argsort(owner_all, kind="stable")
-    return copies[order], owner_all[order]
+    # Every run's rows at once, in run order (so grouped by chunk): the templates of the
+    # distinct lengths stacked, each run's picked out by its length and moved to its start.
+    # (One pass per distinct length cost ~20 small numpy calls each: 15 lengths in 32k scattered
+    # single tokens, 40 chunks: 45 ms of a 100 ms load call on the H200's host, run 129.)
+    distinct, inverse = np.unique(lengths, return_inverse=True)
+    tpls = [_run_template(pl, stg, int(k), layers) for k in distinct.tolist()]
+    tpl_len = np.array([len(t) for t in tpls], dtype=np.int64)
+    tpl_at = np.cumsum(tpl_len) - tpl_len
+    per_run = tpl_len[inverse]
+    first = np.cumsum(per_run) - per_run
+    total = int(per_run.sum())
+    pick = np.repeat(tpl_at[inverse] - first, per_run) + np.arange(total, dtype=np.int64)
+    copies = np.concatenate(tpls)[pick] if len(tpls) > 1 else tpls[0][pick]
+    copies[:, 0] += np.repeat(_offsets(pl, host_idx[starts]), per_run)
+    s0 = _offsets(stg, starts - bounds[chunk_of] if stg_idx is None else stg_idx[starts])
+    copies[:, 1] += np.repeat(s0, per_run)
+    return copies, np.repeat(chunk_of, per_run)
 
 
 class ChunkedPlan(_Chunks):
