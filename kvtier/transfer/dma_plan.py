@@ -775,6 +775,8 @@ def split_copies(copies: np.ndarray, max_pitch: int, tall: np.ndarray | None = N
     tall = tall_rows(copies, max_pitch) if tall is None else tall
     flat = copies[~tall]
     heights = flat[:, 3]
+    if (heights == 1).all():  # rows of one copy each (single scattered tokens): nothing to unroll
+        return copies[tall], np.ascontiguousarray(flat[:, :3])
     row = np.arange(int(heights.sum()), dtype=np.int64) - np.repeat(np.cumsum(heights) - heights, heights)
     h_off = np.repeat(flat[:, 0], heights) + row * np.repeat(flat[:, 4], heights)
     s_off = np.repeat(flat[:, 1], heights) + row * np.repeat(flat[:, 5], heights)
