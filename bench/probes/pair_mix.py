@@ -86,7 +86,16 @@ the load). Command: ``--case mha/page_first/1 --case mha/page_head/1 --case mla/
 (the runtime's calls let go of the GIL), no give-way ends the backup's queueing with the
 load's and lifts the pair from ~1.15x toward 1.3x; if the Python between the calls holds the
 GIL most of the time, within 0.03x of ``dma + dma``; backup queued first lowest.
-Usage: python bench/probes/pair_mix.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE ...] [--arm NAME ...]
+Run 132 (``probe_pair_ab_h200_run132.log``, ``pair_ab.sh`` on 26d9347 against 9abd80f): the
+5 ms give-way cost DMA's allocator pairs 0.02-0.08x (MHA page_first 1.603/1.658x ->
+1.525/1.642x, MLA 1.460/1.565x -> 1.420/1.517x, two rounds): their load's first call takes
+10-18 ms, and with the backup thread beside it returned at 11-18 ms against 10-15. Next:
+``--case mha/page_first/1/allocator --case mla/page_first/1/allocator --case mha/page_first/1
+--case mla/page_first/1 --arm "dma + dma, give-way 5 ms" --arm "dma + dma, give-way 20 ms"
+--arm "dma + dma, give-way 1000 ms"`` (1000: as good as the old wait at every chunk).
+Prediction: 20 ms keeps the allocator pairs of the long wait and most of the scattered
+pairs' gain of 5 ms (their loads' first call takes 50-130 ms).
+Usage: python bench/probes/pair_mix.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE[/SLOTS] ...] [--arm NAME ...]
 """
 
 from __future__ import annotations
@@ -106,9 +115,12 @@ from kvtier.transfer.kernel import KernelBackend, KernelConfig
 from probelib import JsonLog, args, cell, in_turn, start
 
 PATH, TOKENS = args("/tmp/probe_pair_mix.json")
-CASES = [(k, lay, int(ps)) for k, lay, ps in
+# KIND/LAYOUT/PAGE[/SLOTS]: host slots scattered (the default) or as the allocator hands them out.
+CASES = [(c[0], c[1], int(c[2]), c[3] if len(c) > 3 else "scattered") for c in
          (sys.argv[i + 1].split("/") for i, a in enumerate(sys.argv) if a == "--case")] or \
-    [(k, "layer_first", 64) for k in ("mla", "mha", "dsa")]
+    [(k, "layer_first", 64, "scattered") for k in ("mla", "mha", "dsa")]
+if bad := [c for c in CASES if c[3] not in ("scattered", "allocator")]:
+    sys.exit(f"--case slots must be 'scattered' or 'allocator', got {bad}")
 # Each arm's io_backend, from the shared kernel and DMA backends.
 ALL_ARMS = {
     "dma + dma": lambda kernel, dma: "dma",
@@ -136,11 +148,25 @@ ENGINE_OPTS = {"dma + dma, no give-way": {"give_way_s": 0.0},
 SIDE = re.compile(r"(dma|kernel@(\d+)) backup \+ (dma|kernel@(\d+)) load")
 
 
+# After run 132: any arm with ", give-way N ms" after it runs with the engine's background thread
+# giving way to a load being prepared for N ms in all (``TransferEngine.give_way_s``), e.g.
+# "dma + dma, give-way 20 ms" or "auto, give-way 20 ms".
+GIVE_WAY = re.compile(r"(.+), give-way (\d+(?:\.\d+)?) ms")
+
+
+def base_and_opts(name: str) -> tuple[str, dict]:
+    """An arm's name without its give-way suffix, and its engine settings."""
+    if m := GIVE_WAY.fullmatch(name):
+        return m[1], {**ENGINE_OPTS.get(m[1], {}), "give_way_s": float(m[2]) / 1e3}
+    return name, ENGINE_OPTS.get(name, {})
+
+
 def one_side(name: str, blocks: str | None, dma):
     return dma if name == "dma" else KernelBackend(KernelConfig(max_blocks=int(blocks)))
 
 
 def arm_backend(name: str, kernel, dma):
+    name = base_and_opts(name)[0]
     if name in ALL_ARMS:
         return ALL_ARMS[name](kernel, dma)
     m = SIDE.fullmatch(name)
@@ -148,9 +174,9 @@ def arm_backend(name: str, kernel, dma):
 
 
 ARMS = [sys.argv[i + 1] for i, a in enumerate(sys.argv) if a == "--arm"] or list(ALL_ARMS)
-if unknown := [a for a in ARMS if a not in ALL_ARMS and not SIDE.fullmatch(a)]:
+if unknown := [a for a in ARMS if (b := base_and_opts(a)[0]) not in ALL_ARMS and not SIDE.fullmatch(b)]:
     sys.exit(f"unknown --arm {unknown}; use some of {list(ALL_ARMS)}, or 'X backup + Y load' "
-             f"with X and Y each 'dma' or 'kernel@N' (N blocks)")
+             f"with X and Y each 'dma' or 'kernel@N' (N blocks), either with ', give-way N ms' after it")
 log = JsonLog(PATH, tokens=TOKENS, cases=["/".join(map(str, c)) for c in CASES])
 
 
@@ -188,10 +214,10 @@ def main() -> None:
     kernel, dma = get_backend("kernel", dev), get_backend("dma", dev)
     backends = {name: arm_backend(name, kernel, dma) for name in ARMS}
     seen_keys = set()
-    for kind, layout, ps in CASES:
+    for kind, layout, ps, slots in CASES:
         case = Case(kind, layout, ps, TOKENS, "cuda", None)
-        idx = case.indices(True, rng)
-        engines = {name: engine_for(case.host, b, ENGINE_OPTS.get(name, {})) for name, b in backends.items()}
+        idx = case.indices(slots == "scattered", rng)
+        engines = {name: engine_for(case.host, b, base_and_opts(name)[1]) for name, b in backends.items()}
         auto = get_backend("auto", dev)
         before = Counter(auto.picks)
         times = in_turn({k: (lambda e=e: measure(case, e, "both", idx, clock, 1)) for k, e in engines.items()},
@@ -210,7 +236,7 @@ def main() -> None:
             pl = []
             measure(case, e, "both", idx, clock, 1, pl)
             cells[k]["timeline"] = pair_note(pl)
-        log(f"{kind}/{layout}/p{ps}/scattered/both", cells)
+        log(f"{kind}/{layout}/p{ps}/{slots}/both", cells)
         case.host.close()
         del case, engines
         torch.cuda.empty_cache()
