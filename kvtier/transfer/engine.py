@@ -38,7 +38,10 @@ from ..validate import require_positive_int
 # ~2.4 ms on an H200). A load's first layer is queued in 2-3 ms alone (H200 run 22); a load
 # whose first call queues every copy (DMA, single tokens on page_first: ~85 ms) shares the
 # host after that: waiting the whole time held DMA pairs there to 1.07-1.21x of one way,
-# against 1.42-1.48x not waiting (run 127, probe_pair_mix_h200_run127.json).
+# against 1.42-1.48x not waiting (run 127, probe_pair_mix_h200_run127.json). Loads whose first
+# call takes 10-18 ms (DMA, single tokens on allocator slots, page_first) lost by it: their
+# pairs ran 0.02-0.08x lower than with the wait at every chunk (run 132); a longer bound (20 ms)
+# is the next A/B (bench/probes/pair_mix.py).
 GIVE_WAY_S = 0.005
 
 
