@@ -92,9 +92,11 @@ Run 132 (``probe_pair_ab_h200_run132.log``, ``pair_ab.sh`` on 26d9347 against 9a
 10-18 ms, and with the backup thread beside it returned at 11-18 ms against 10-15. Next:
 ``--case mha/page_first/1/allocator --case mla/page_first/1/allocator --case mha/page_first/1
 --case mla/page_first/1 --arm "dma + dma, give-way 5 ms" --arm "dma + dma, give-way 20 ms"
---arm "dma + dma, give-way 1000 ms"`` (1000: as good as the old wait at every chunk).
-Prediction: 20 ms keeps the allocator pairs of the long wait and most of the scattered
-pairs' gain of 5 ms (their loads' first call takes 50-130 ms).
+--arm "dma + dma, give-way 1000 ms" --arm "dma + dma, give-way ahead"`` (1000: as good as the
+old wait at every chunk; ahead: only while the backup's copy engine has a chunk queued beyond
+the one it is on). Predictions: 20 ms keeps the allocator pairs of the long wait and most of
+the scattered pairs' gain of 5 ms (their loads' first call takes 50-130 ms); ahead is at least
+as good as the best of the three on every case.
 Usage: python bench/probes/pair_mix.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE[/SLOTS] ...] [--arm NAME ...]
 """
 
@@ -150,14 +152,17 @@ SIDE = re.compile(r"(dma|kernel@(\d+)) backup \+ (dma|kernel@(\d+)) load")
 
 # After run 132: any arm with ", give-way N ms" after it runs with the engine's background thread
 # giving way to a load being prepared for N ms in all (``TransferEngine.give_way_s``), e.g.
-# "dma + dma, give-way 20 ms" or "auto, give-way 20 ms".
-GIVE_WAY = re.compile(r"(.+), give-way (\d+(?:\.\d+)?) ms")
+# "dma + dma, give-way 20 ms" or "auto, give-way 20 ms"; with ", give-way ahead", only while
+# the backup's copies from before its latest chunk are still queued on the device
+# (``TransferEngine.give_way_ahead``, bounded by 1 s).
+GIVE_WAY = re.compile(r"(.+), give-way (?:(\d+(?:\.\d+)?) ms|(ahead))")
 
 
 def base_and_opts(name: str) -> tuple[str, dict]:
     """An arm's name without its give-way suffix, and its engine settings."""
     if m := GIVE_WAY.fullmatch(name):
-        return m[1], {**ENGINE_OPTS.get(m[1], {}), "give_way_s": float(m[2]) / 1e3}
+        way = {"give_way_s": 1.0, "give_way_ahead": True} if m[3] else {"give_way_s": float(m[2]) / 1e3}
+        return m[1], {**ENGINE_OPTS.get(m[1], {}), **way}
     return name, ENGINE_OPTS.get(name, {})
 
 
@@ -204,6 +209,7 @@ class Split(Backend):
 def engine_for(host, backend, opts: dict) -> TransferEngine:
     eng = TransferEngine(host, backend, background_backups=opts.get("background_backups", True))
     eng.give_way_s = opts.get("give_way_s", eng.give_way_s)
+    eng.give_way_ahead = opts.get("give_way_ahead", eng.give_way_ahead)
     return eng
 
 
