@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for everything that needs the GPU: every `gpu` test, the transfer
 # benchmark (all kinds), the TTFT benchmark, and optionally probes (PROBE=names of scripts
-# in bench/probes, space-separated; PROBE_S the time box of each; BACKENDS the bench's --backend options
+# in bench/probes, space-separated; PROBE_S the time box of each; PROBE_ARGS their options, quoted as on a
+# command line, e.g. PROBE_ARGS='--case mla/page_first/1 --arm "dma + dma, give-way 20 ms"'; BACKENDS the bench's --backend options
 # (default kernel, dma and auto); EXTRA_BACKENDS more --backend
 # options for the bench, timed after auto, e.g. "--backend dma@32"; KINDS: --kind options, and any
 # other filter, e.g. "--kind mla --layout page_first --slots allocator"; ROUNDS: --rounds; TTFT_BACKENDS: --io-backends of bench ttft; TTFT_ARGS: more options for it, e.g. "--inputs pinned"). Each step is time-boxed and writes
@@ -47,6 +48,7 @@ timeout "${TTFT_S:-90}" python -m kvtier.cli bench ttft --io-backends "${TTFT_BA
 echo "bench ttft rc=$?"; tail -12 "$OUT/ttft.log"; }
 for P in ${PROBE:-}; do  # PROBE may name several, each time-boxed by PROBE_S
 echo "== $P" >> "$OUT/probes.log"
-timeout "${PROBE_S:-150}" python "bench/probes/$P.py" "$OUT/probe_${P}_h200.json" > /tmp/probe.log 2>&1
+eval "ARGS=(${PROBE_ARGS:-})"  # PROBE_ARGS: the probes' options, quoted as on a command line
+timeout "${PROBE_S:-150}" python "bench/probes/$P.py" "$OUT/probe_${P}_h200.json" "${ARGS[@]}" > /tmp/probe.log 2>&1
 echo "probe $P rc=$?"; cat /tmp/probe.log >> "$OUT/probes.log"; tail -5 /tmp/probe.log; done
 true
