@@ -28,7 +28,15 @@ Both ways at once, queued ahead: 93-95 GB/s (1.69-1.72x of one way).
 Run 127 (``probe_queue_cost_h200_16k_run127.json``, ``--copies 16384``): 0.40-0.48 us a copy
 from one thread in batches of 128-2,048, and two threads on two streams no faster in all
 (0.42-0.60 us a copy): the runtime queues for one thread at a time. Both ways 92-97 GB/s.
-Usage: python bench/probes/queue_cost.py OUT.json [--copies N]
+After run 132 (not yet run): ``--neighbour``: does a thread blocked in the runtime (its stream
+holds as many copies pending as it takes) hold up another thread queueing on another stream?
+Thread A queues 32k device-to-host copies behind a ~150 ms gate and blocks; 20 ms later this
+thread queues 4,096 host-to-device copies onto a free stream; its host ms against the same
+alone, and whether A was still blocked when it finished. DMA's single-token pairs put 32k
+copies a way on two streams from two threads: if the blocked one holds up the other, the two
+directions are queued in turn, whatever the GIL does. Prediction: not held up (the runtime
+queues for one thread at a time but does not wait on the device while it holds its lock).
+Usage: python bench/probes/queue_cost.py OUT.json [--copies N] [--neighbour]
 """
 
 from __future__ import annotations
@@ -90,6 +98,33 @@ def timed(jobs: list[tuple], per_call: int) -> tuple[float, float]:
     return host, start.elapsed_time(end) / 1e3
 
 
+NEAR = 4096  # the neighbour's copies: well under what a stream holds pending
+
+
+def neighbour(h_out, d_out, d_in, h_in, size: int, streams) -> tuple[float, float, bool]:
+    """(host seconds for NEAR copies on ``streams[1]`` alone, the same while another thread is
+    blocked queueing ``h_out.size`` gated copies on ``streams[0]``, whether it still was after)."""
+    t0 = time.perf_counter()
+    queue(d_in[:NEAR], h_in[:NEAR], size, 512, streams[1])
+    alone = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    cur = torch.cuda.current_stream()
+    torch.cuda._sleep(300_000_000)  # ~150 ms ahead of the gate, as in timed()
+    gate = torch.cuda.Event()
+    gate.record(cur)
+    streams[0].wait_event(gate)
+    blocked = threading.Thread(target=queue, args=(h_out, d_out, size, 512, streams[0]))
+    blocked.start()
+    time.sleep(0.02)
+    t0 = time.perf_counter()
+    queue(d_in[:NEAR], h_in[:NEAR], size, 512, streams[1])
+    beside = time.perf_counter() - t0
+    still = blocked.is_alive()
+    blocked.join()
+    torch.cuda.synchronize()
+    return alone, beside, still
+
+
 def main() -> None:
     torch.cuda.set_stream(torch.cuda.Stream())  # batched copies refuse the legacy default stream
     streams = [torch.cuda.Stream() for _ in range(2)]
@@ -103,6 +138,15 @@ def main() -> None:
         d_out = np.arange(COPIES, dtype=np.uint64) * np.uint64(size) + np.uint64(dev.data_ptr())
         d_in = d_out + np.uint64(payload)
         half = COPIES // 2
+        if "--neighbour" in sys.argv:
+            neighbour(h_out, d_out, d_in, h_in, size, streams)  # warm-up
+            runs = [neighbour(h_out, d_out, d_in, h_in, size, streams) for _ in range(3)]
+            log(f"{size >> 10}KiB neighbour of a blocked thread", {
+                "alone_ms": [round(1e3 * r[0], 2) for r in runs], "beside_ms": [round(1e3 * r[1], 2) for r in runs],
+                "blocked_thread_still_waiting": [r[2] for r in runs]})
+            del host, dev
+            torch.cuda.empty_cache()
+            continue
         arms = {
             "d2h, 1 thread": [(h_out, d_out, size, streams[0])],
             "d2h, 2 threads": [(h_out[:half], d_out[:half], size, streams[0]),
