@@ -453,7 +453,7 @@ def _copies(pl: Placement, stg: Placement, host_idx: np.ndarray, bounds: np.ndar
     first = np.cumsum(per_run) - per_run
     total = int(per_run.sum())
     pick = np.repeat(tpl_at[inverse] - first, per_run) + np.arange(total, dtype=np.int64)
-    copies = np.concatenate(tpls)[pick] if len(tpls) > 1 else tpls[0][pick]
+    copies = np.concatenate(tpls)[pick]
     copies[:, 0] += np.repeat(_offsets(pl, host_idx[starts]), per_run)
     s0 = _offsets(stg, starts - bounds[chunk_of] if stg_idx is None else stg_idx[starts])
     copies[:, 1] += np.repeat(s0, per_run)

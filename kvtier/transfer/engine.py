@@ -387,7 +387,9 @@ class TransferEngine:
             mark = self._boundary_event()
             mark.record(stream)
             marks.append(mark)  # (keeps two: the one before is marks[0])
-            drained = marks[0].query if len(marks) == 2 else (lambda: True)
+            if len(marks) < 2:
+                return  # nothing known queued before this chunk: queue the next one now
+            drained = marks[0].query
         with self._give_way:
             while self._loading and (left := self._give_way_until - time.perf_counter()) > 0:
                 if drained is not None and drained():
