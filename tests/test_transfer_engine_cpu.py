@@ -222,53 +222,6 @@ def test_the_background_thread_gives_way_to_a_load_being_prepared_but_never_for_
         assert waited[-1] < engine_mod.GIVE_WAY_S / 2, waited
 
 
-def test_giving_way_ahead_waits_only_while_the_backup_has_copies_queued_beyond_its_latest_chunk():
-    """``give_way_ahead``: at each chunk's end the thread marks the copy stream and waits for
-    a load being prepared only while the mark before (the chunks before the latest) has not
-    fired on the device: the backup's copy engine never idles for the load."""
-    import threading
-    import time
-    from collections import deque
-
-    from kvtier.transfer import engine as engine_mod
-
-    class Mark:  # a CUDA event's stand-in: fires when told
-        def __init__(self):
-            self.fired, self.streams = False, []
-
-        def record(self, stream):
-            self.streams.append(stream)
-
-        def query(self):
-            return self.fired
-
-    spec = KVSpec("mla", 2, torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8)
-    eng = TransferEngine(host_pool_for(pool_from_spec(spec, 32, 1, "cpu"), "layer_first", host_size_tokens=32))
-    made = []
-    eng._boundary_event = lambda: made.append(Mark()) or made[-1]
-    eng.give_way_ahead, eng.give_way_s = True, 1.0
-    marks = deque(maxlen=2)
-    with eng._load_first():
-        t0 = time.perf_counter()
-        eng._pause_for_loads("copy stream", marks)       # first chunk: nothing known before it
-        assert time.perf_counter() - t0 < 0.1 and made[0].streams == ["copy stream"]
-        took = []
-        t = threading.Thread(target=lambda: (eng._pause_for_loads("copy stream", marks),
-                                             took.append(time.perf_counter())))
-        t.start()
-        time.sleep(0.02)
-        assert t.is_alive() and len(made) == 2          # the first chunk's copies still queued: waits
-        fired = time.perf_counter()
-        made[0].fired = True                            # ... until they are done
-        t.join(1.0)
-        assert not t.is_alive() and took[0] - fired < 20 * engine_mod.AHEAD_POLL_S
-    eng._pause_for_loads("copy stream", marks)         # no load being prepared: no wait, mark made
-    assert len(made) == 3 and len(marks) == 2 and marks[0] is made[1]
-    eng.give_way_ahead = False                          # off: the time bound alone, no marks
-    eng._pause_for_loads("copy stream", marks)
-    assert len(made) == 3
-
-
 def test_bench_rounds_time_every_row_that_many_times_and_report_the_median():
     from kvtier.bench.transfer import run_bench
     seen = []

@@ -97,6 +97,14 @@ old wait at every chunk; ahead: only while the backup's copy engine has a chunk 
 the one it is on). Predictions: 20 ms keeps the allocator pairs of the long wait and most of
 the scattered pairs' gain of 5 ms (their loads' first call takes 50-130 ms); ahead is at least
 as good as the best of the three on every case.
+Run 133 (``probe_pair_mix_h200_run133.json``, a slow host, duplex 92.3 GB/s): 5 ms the best or
+within 0.01x of it on all four: allocator 1.586/1.526x (20 ms 1.595/1.519, 1000 ms
+1.568/1.481, ahead 1.572/1.492), scattered 1.391/1.159x (20 ms 1.303/1.101, 1000 ms
+1.050/0.996, ahead 1.294/1.138). Both predictions wrong; ``give_way_ahead`` was taken out of
+the engine after it (its arm is gone). Run 135 (``probe_pair_mix_h200_run135.json``, a host
+~3x faster: a load call 21 ms against 63 in run 134): ", switch N ms" (the interpreter's
+switch interval) 1 and 0.2 ms within 0.03x of 5 ms everywhere, and every DMA pair at
+1.60-1.79x: on that host nothing is host-bound.
 Usage: python bench/probes/pair_mix.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE[/SLOTS] ...] [--arm NAME ...]
 """
 
@@ -152,18 +160,37 @@ SIDE = re.compile(r"(dma|kernel@(\d+)) backup \+ (dma|kernel@(\d+)) load")
 
 # After run 132: any arm with ", give-way N ms" after it runs with the engine's background thread
 # giving way to a load being prepared for N ms in all (``TransferEngine.give_way_s``), e.g.
-# "dma + dma, give-way 20 ms" or "auto, give-way 20 ms"; with ", give-way ahead", only while
-# the backup's copies from before its latest chunk are still queued on the device
-# (``TransferEngine.give_way_ahead``, bounded by 1 s).
-GIVE_WAY = re.compile(r"(.+), give-way (?:(\d+(?:\.\d+)?) ms|(ahead))")
+# "dma + dma, give-way 20 ms" or "auto, give-way 20 ms".
+# After run 134: ", switch N ms" runs the arm with the interpreter's thread switch interval at
+# N ms (``sys.setswitchinterval``; 5 ms by default). Suffixes combine, in any order.
+SUFFIX = re.compile(r"(.+), (?:give-way (\d+(?:\.\d+)?) ms|switch (\d+(?:\.\d+)?) ms)")
 
 
 def base_and_opts(name: str) -> tuple[str, dict]:
-    """An arm's name without its give-way suffix, and its engine settings."""
-    if m := GIVE_WAY.fullmatch(name):
-        way = {"give_way_s": 1.0, "give_way_ahead": True} if m[3] else {"give_way_s": float(m[2]) / 1e3}
-        return m[1], {**ENGINE_OPTS.get(m[1], {}), **way}
-    return name, ENGINE_OPTS.get(name, {})
+    """An arm's name without its suffixes, and its engine settings (and ``switch_s``)."""
+    opts = {}
+    while m := SUFFIX.fullmatch(name):
+        if m[3]:
+            opts.setdefault("switch_s", float(m[3]) / 1e3)
+        else:
+            opts.setdefault("give_way_s", float(m[2]) / 1e3)
+        name = m[1]
+    return name, {**ENGINE_OPTS.get(name, {}), **opts}
+
+
+def switched(fn, switch_s: float | None):
+    """``fn`` run with the interpreter's switch interval at ``switch_s`` (restored after)."""
+    if switch_s is None:
+        return fn
+
+    def run():
+        before = sys.getswitchinterval()
+        sys.setswitchinterval(switch_s)
+        try:
+            return fn()
+        finally:
+            sys.setswitchinterval(before)
+    return run
 
 
 def one_side(name: str, blocks: str | None, dma):
@@ -181,7 +208,7 @@ def arm_backend(name: str, kernel, dma):
 ARMS = [sys.argv[i + 1] for i, a in enumerate(sys.argv) if a == "--arm"] or list(ALL_ARMS)
 if unknown := [a for a in ARMS if (b := base_and_opts(a)[0]) not in ALL_ARMS and not SIDE.fullmatch(b)]:
     sys.exit(f"unknown --arm {unknown}; use some of {list(ALL_ARMS)}, or 'X backup + Y load' "
-             f"with X and Y each 'dma' or 'kernel@N' (N blocks), either with ', give-way N ms' after it")
+             f"with X and Y each 'dma' or 'kernel@N' (N blocks), any with ', give-way N ms' or ', switch N ms' after it")
 log = JsonLog(PATH, tokens=TOKENS, cases=["/".join(map(str, c)) for c in CASES])
 
 
@@ -209,7 +236,6 @@ class Split(Backend):
 def engine_for(host, backend, opts: dict) -> TransferEngine:
     eng = TransferEngine(host, backend, background_backups=opts.get("background_backups", True))
     eng.give_way_s = opts.get("give_way_s", eng.give_way_s)
-    eng.give_way_ahead = opts.get("give_way_ahead", eng.give_way_ahead)
     return eng
 
 
@@ -226,8 +252,9 @@ def main() -> None:
         engines = {name: engine_for(case.host, b, base_and_opts(name)[1]) for name, b in backends.items()}
         auto = get_backend("auto", dev)
         before = Counter(auto.picks)
-        times = in_turn({k: (lambda e=e: measure(case, e, "both", idx, clock, 1)) for k, e in engines.items()},
-                        lambda fn: fn(), warmups=1, rounds=3)
+        switch = {k: base_and_opts(k)[1].get("switch_s") for k in engines}
+        times = in_turn({k: switched(lambda e=e: measure(case, e, "both", idx, clock, 1), switch[k])
+                         for k, e in engines.items()}, lambda fn: fn(), warmups=1, rounds=3)
         cells = {k: cell(g, limits["backup"]) for k, g in times.items()}
         if "auto" in engines:  # what auto sent each way, exploring included, and its shared samples
             cells["auto picks"] = {f"{d} {c}": n for (d, c), n in (Counter(auto.picks) - before).items()}
@@ -240,7 +267,7 @@ def main() -> None:
                         for c, v in by.items()}
         for k, e in engines.items():  # each arm's pair timeline (ms after the backup call), one more pair
             pl = []
-            measure(case, e, "both", idx, clock, 1, pl)
+            switched(lambda e=e: measure(case, e, "both", idx, clock, 1, pl), switch[k])()
             cells[k]["timeline"] = pair_note(pl)
         log(f"{kind}/{layout}/p{ps}/{slots}/both", cells)
         case.host.close()

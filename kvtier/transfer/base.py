@@ -74,19 +74,18 @@ class Backend:
 _hooks = threading.local()
 
 
-def between_chunks(stream: torch.cuda.Stream | None = None) -> None:
-    """A backend calls this between the chunks of a transfer it queues, with the stream its
-    copies went on. In a thread that queues transfers for someone else (the engine's
-    background thread for backups) it lets that thread give way to the caller
-    (:func:`chunk_hook`); elsewhere it does nothing."""
+def between_chunks() -> None:
+    """A backend calls this between the chunks of a transfer it queues. In a thread that
+    queues transfers for someone else (the engine's background thread for backups) it
+    lets that thread give way to the caller (:func:`chunk_hook`); elsewhere it does nothing."""
     fn = getattr(_hooks, "between_chunks", None)
     if fn is not None:
-        fn(stream)
+        fn()
 
 
 @contextmanager
-def chunk_hook(fn: Callable[[torch.cuda.Stream | None], None]):
-    """Run ``fn(stream)`` at every :func:`between_chunks` of this thread inside the block."""
+def chunk_hook(fn: Callable[[], None]):
+    """Run ``fn`` at every :func:`between_chunks` of this thread inside the block."""
     old = getattr(_hooks, "between_chunks", None)
     _hooks.between_chunks = fn
     try:

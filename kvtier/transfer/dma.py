@@ -621,7 +621,7 @@ class DMABackend(Backend):
             cur.wait_event(slot.ready)
             _issue(tall, flat, host_base, slot.buf.data_ptr(), True, cur.cuda_stream, self.config.batch_min)
             slot.free.record(cur)
-            between_chunks(cur)
+            between_chunks()
 
     def _pool_chunks(self, ring, cur, part, p: PoolPlan, host_base: int, chunks: range) -> None:
         """Copy each of ``chunks`` straight from the device pool to the host on ``cur``: no
@@ -635,7 +635,7 @@ class DMABackend(Backend):
             _issue(tall, flat, host_base, pool, True, cur.cuda_stream, self.config.batch_min)
             if k:
                 ring.pool_done.record(cur)
-            between_chunks(cur)
+            between_chunks()
 
     def _load_chunks(self, ring, cur, part, p, ptrs, d_of, host_base, layer, n_layers, drain: int) -> None:
         """Copy each chunk from the host on the side stream, then scatter it on ``cur``. The

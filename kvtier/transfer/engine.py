@@ -20,7 +20,6 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,12 +40,11 @@ from ..validate import require_positive_int
 # host after that: waiting the whole time held DMA pairs there to 1.07-1.21x of one way,
 # against 1.42-1.48x not waiting (run 127, probe_pair_mix_h200_run127.json). Loads whose first
 # call takes 10-18 ms (DMA, single tokens on allocator slots, page_first) lost by it: their
-# pairs ran 0.02-0.08x lower than with the wait at every chunk (run 132); a longer bound (20 ms)
-# is the next A/B (bench/probes/pair_mix.py).
+# pairs ran 0.02-0.08x lower than with the wait at every chunk in run 132, but in the A/B of
+# run 133 (probe_pair_mix_h200_run133.json) 5 ms was within 0.01x of 20 ms there and the best
+# of 5, 20 and 1000 ms, and of waiting only while the backup's earlier chunks were still on the
+# device, on all four cases (allocator and scattered slots, MHA and MLA page_first).
 GIVE_WAY_S = 0.005
-# With ``give_way_ahead``, how often the waiting background thread looks whether the backup's
-# copies before its latest chunk have finished on the device.
-AHEAD_POLL_S = 0.0005
 
 
 class TransferHandle:
@@ -259,11 +257,6 @@ class TransferEngine:
         # (0: it does not wait; the probe pair_mix times both), and until when it now does.
         self.give_way_s = GIVE_WAY_S
         self._give_way_until = 0.0
-        # give_way_ahead (an experiment after run 132, off): within that bound, wait only while
-        # the device still has the backup's copies queued from before its latest chunk (an
-        # event at each chunk's end), so its copy engine does not idle for the load.
-        self.give_way_ahead = False
-        self._boundary_event = torch.cuda.Event  # what marks a chunk's end (CPU tests: stand-ins)
         if self.device.type == "cuda":
             lo, hi = torch.cuda.Stream.priority_range()
             self._priority = {True: lo, False: hi}
@@ -378,32 +371,19 @@ class TransferEngine:
                 self._loading -= 1
                 self._give_way.notify_all()
 
-    def _pause_for_loads(self, stream=None, marks: deque | None = None) -> None:
-        """Between two chunks of a backup (its copies queued on ``stream``), wait while a load
-        is prepared (:meth:`_load_first`). ``marks``: the chunk ends marked so far, for
-        ``give_way_ahead``."""
-        drained = None  # with give_way_ahead: whether the copies before the latest chunk are done
-        if self.give_way_ahead and stream is not None and marks is not None:
-            mark = self._boundary_event()
-            mark.record(stream)
-            marks.append(mark)  # (keeps two: the one before is marks[0])
-            if len(marks) < 2:
-                return  # nothing known queued before this chunk: queue the next one now
-            drained = marks[0].query
+    def _pause_for_loads(self) -> None:
+        """Between two chunks of a backup, wait while a load is prepared (:meth:`_load_first`),
+        until ``give_way_s`` after the load's start at most."""
         with self._give_way:
             while self._loading and (left := self._give_way_until - time.perf_counter()) > 0:
-                if drained is not None and drained():
-                    return  # the device is on the latest chunk: queue the next one now
-                self._give_way.wait(left if drained is None else min(left, AHEAD_POLL_S))
+                self._give_way.wait(left)
 
     def _pump_in_thread(self, pump) -> None:
         """In the background thread: queue pending backups, giving way to loads being prepared
         (a pause that is not a stall: :meth:`Backlog.progress` after it too)."""
-        marks: deque = deque(maxlen=2)
-
-        def between(stream=None):
+        def between():
             self._backlog.progress()
-            self._pause_for_loads(stream, marks)
+            self._pause_for_loads()
             self._backlog.progress()
         with chunk_hook(between):
             pump()
