@@ -18,6 +18,9 @@ export KVTIER_HOST_LIMIT_GB=${KVTIER_HOST_LIMIT_GB:-110}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,pcie.link.gen.current,pcie.link.width.current --format=csv > "$OUT/gpu_tests.log"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu_tests.log"
+# The host's speed (lease machines differ up to 3x, H200 runs 134 and 136, and DMA's single-token
+# pairs follow it): DMA's planning of 32k scattered single tokens, on the CPU alone.
+echo "host speed: $(PYTHONPATH=. timeout 60 python bench/probes/dma_plan_time.py mha page_first 1 32 | tr '\n' ';')" >> "$OUT/gpu_tests.log"
 
 # TESTS: test files (split into words); TESTS_K: a -k expression, kept whole (in TESTS its
 # spaces split it: run 85 ran no test).
