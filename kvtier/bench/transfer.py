@@ -231,7 +231,8 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
               on_row=None, rounds: int = 1, layouts=None, slots=HOST_SLOTS, spread: int = SPREAD_POOL) -> list[Row]:
     """Time every combination; ``on_row(rows, groups, picks)`` is called after each row (partial
     results survive), and once more with ``final=True`` when the limits, measured again at
-    the end (the higher of the two counts), have been applied to every row's ratio.
+    the end (the higher of the two counts), have been applied to every row's ratio, with
+    ``ends``: per limit, what the start and the end measured (a link that drifts shows there).
 
     ``groups`` is the layers-per-copy of a DMA load row (None otherwise), ``picks`` what auto
     chose during the row (``{(direction, backend): transfers}``, warm-up included), for the log;
@@ -335,11 +336,12 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
         # Measured again at the end; the higher of the two is the run's limit.
         again = contiguous_limit(nbytes, clock, reps)
         again["both"] = (again["backup"] + again["load"]) / 2
+        ends = {key: (round(limits[key], 2), round(again[key], 2)) for key in limits}
         for key in limits:
             limits[key] = max(limits[key], again[key])
         rows[:] = [_with_limits(r, limits) for r in rows]
         if on_row:
-            on_row(rows, None, None, final=True)
+            on_row(rows, None, None, final=True, ends=ends)
     return rows
 
 
@@ -502,10 +504,10 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
         raise click.UsageError(str(e)) from None
     start = time.perf_counter()
 
-    def save(rows, groups=None, picks=None, final=False, samples="", rounds=None, pair="", huge=None):
+    def save(rows, groups=None, picks=None, final=False, samples="", rounds=None, pair="", huge=None, ends=None):
         if verbose and final:
             lim = {r.direction: r.gbps for r in rows if r.kind == "all"}
-            click.echo(f"limits, best of the start and the end of the run: {lim}", err=True)
+            click.echo(f"limits, best of the start and the end of the run: {lim}; (start, end): {ends}", err=True)
         elif verbose:
             r = rows[-1]
             extra = f" layers/copy={groups}" if groups else ""
