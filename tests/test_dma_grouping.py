@@ -286,33 +286,6 @@ def test_runs_of_one_run_agrees_with_the_run_starts(n, first, seed, swaps):
     assert got.single == (starts.size == 1)
 
 
-def test_scattered_chunks_are_planned_in_doubling_batches_each_as_if_alone():
-    """Scattered slots: chunks are planned 1, 1, 2, 4, ... at a time (one pass each), a batch
-    never re-plans a chunk planned before, and every chunk's calls are the whole plan's."""
-    pl = LAYOUTS["page_first"].placement(MHA.components[0], 32, 8192, 1)
-    host = np.sort(np.random.default_rng(5).permutation(8192)[:3000]).astype(np.int64)
-    want = plan(pl, host, 32, 256 << 10, ramp=1 << 16)
-    got = ChunkedPlan(pl, host, 32, 256 << 10, ramp=1 << 16)
-    assert want.n_chunks >= 16
-    planned = []
-    for i in range(want.n_chunks):
-        (gt, gf), (wt, wf) = got.calls(i), want.calls(i)
-        assert np.array_equal(gt, wt) and np.array_equal(gf, wf)
-        assert np.array_equal(got.chunk(i)[2], want.chunk(i)[2])
-        planned.append(len(got._calls))
-    sizes = np.diff([0] + sorted(set(planned)))
-    assert sizes[:5].tolist() == [1, 1, 2, 4, 8], sizes
-    # Asked for out of order: a batch stops at the first chunk planned before it.
-    got = ChunkedPlan(pl, host, 32, 256 << 10, ramp=1 << 16)
-    got.calls(3)
-    got.calls(0)
-    assert sorted(got._calls) == [0, 3]
-    got.calls(1)  # two planned: a batch of two, but chunk 3 is planned already
-    assert sorted(got._calls) == [0, 1, 2, 3]
-    for i in range(want.n_chunks):
-        assert np.array_equal(got.calls(i)[1], want.calls(i)[1])
-
-
 def test_chunked_plan_keeps_its_own_copy_of_the_slots():
     """Chunks are planned when queued: a caller reusing its index array meanwhile changes nothing."""
     pl = LAYOUTS["layer_first"].placement(MHA.components[0], 32, 4096, 1)

@@ -495,10 +495,6 @@ class ChunkedPlan(_Chunks):
         self._calls: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._whole: DMAPlan | None = None
 
-    # Whether chunks of slots are planned several at a time (chunks that each move every slot
-    # for some layers, LayerChunkedPlan, are not).
-    _batched = True
-
     def _chunk_calls(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(copies, pitched rows, 1-D copies) of chunk ``i``: its items and layers, with host
         offsets counted from layer 0."""
@@ -509,33 +505,12 @@ class ChunkedPlan(_Chunks):
             if self._first is not None:
                 calls = _run_calls(self._pl, self.staging, m, nl or self._layers, self._max_pitch)
                 self._calls[i] = tuple(_shifted(a, self._pl.offset(self._first + j0, 0) + skip) for a in calls)
-            elif self._batched:
-                self._plan_batch(i)
             else:
                 copies, _ = _copies(self._pl, self.staging, self._idx[j0:j0 + m], np.array([0, m]),
                                     nl or self._layers)
                 copies[:, 0] += skip
                 self._calls[i] = (copies, *split_copies(copies, self._max_pitch))
         return self._calls[i]
-
-    def _plan_batch(self, i: int) -> None:
-        """Plan chunk ``i`` and the chunks after it not yet planned, as many as are planned
-        already (at least one), in one pass: 1, 1, 2, 4, ... chunks, so the first copies wait
-        for one chunk's planning and each batch is planned while the ones before it are copied.
-        Each chunk's calls are what planning it alone gives (its runs cut at its edges, its
-        staging offsets from its start). A pass costs ~25 small numpy calls whatever its size:
-        32k scattered single tokens in 20-40 chunks took 23 of a 63 ms load call on a slow
-        H200 host, profiled, planned a chunk at a time (run 134)."""
-        hi, most = i + 1, min(self.n_chunks, i + max(1, len(self._calls)))
-        while hi < most and hi not in self._calls:
-            hi += 1
-        bounds = self.bounds[i:hi + 1]
-        copies, owner = _copies(self._pl, self.staging, self._idx[bounds[0]:bounds[-1]], bounds - bounds[0],
-                                self._layers)
-        cut = np.searchsorted(owner, np.arange(hi - i + 1))
-        for k in range(hi - i):
-            part = copies[cut[k]:cut[k + 1]]
-            self._calls[i + k] = (part, *split_copies(part, self._max_pitch))
 
     def chunk(self, i: int) -> tuple[int, int, np.ndarray]:
         """(first item, item count, copies) of chunk ``i``."""
@@ -600,8 +575,6 @@ class LayerChunkedPlan(ChunkedPlan):
     :meth:`whole` is for the figures over the whole transfer only: its item bounds do not
     describe these chunks, which each move every item.
     """
-
-    _batched = False  # its chunks move different layers: each is planned alone
 
     def __init__(self, pl: Placement, host_idx: np.ndarray, staging_bytes: int, max_pitch: int | None = None,
                  ramp: int = 0, runs: Runs | None = None):
