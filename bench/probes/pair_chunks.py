@@ -17,7 +17,10 @@ Each case: two untimed pairs, then three noted (``rounds``); ``pair_ms`` is the 
 Predictions: on a slow host (``host speed:`` above 40 ms a call), MHA page_first single
 scattered tokens show load idle time of 20 ms or more within ~100 ms, most of it early
 (before the backup is queued); allocator slots show under 2 ms either way.
-Usage: python bench/probes/pair_chunks.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE[/SLOTS] ...]
+``--switch-ms X``: each case noted again with the interpreter's switch interval at X ms (5 by
+default): a thread back from the runtime waits up to that long for the other thread to hand
+over the GIL, so if the waits are the GIL's, they shrink with it.
+Usage: python bench/probes/pair_chunks.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE[/SLOTS] ...] [--switch-ms X]
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ CASES = [(c[0], c[1], int(c[2]), c[3] if len(c) > 3 else "scattered") for c in
      ("mha", "page_first", 1, "allocator")]
 if bad := [c for c in CASES if c[3] not in ("scattered", "allocator")]:
     sys.exit(f"--case slots must be 'scattered' or 'allocator', got {bad}")
-log = JsonLog(PATH, tokens=TOKENS, cases=["/".join(map(str, c)) for c in CASES])
+SWITCH = [None] + ([float(sys.argv[sys.argv.index("--switch-ms") + 1]) / 1e3] if "--switch-ms" in sys.argv else [])
+log = JsonLog(PATH, tokens=TOKENS, cases=["/".join(map(str, c)) for c in CASES], switch_s=SWITCH)
 
 
 def idle_summary(chunks: list[tuple[float, float, float]]) -> dict:
@@ -97,15 +101,19 @@ def main() -> None:
         for _ in range(2):  # plans, staging and Triton warmed up
             pair(engine, *idx, True)
         torch.cuda.synchronize()
-        dma_mod._issue = noting
-        try:
-            rounds = [noted_pair(engine, idx, notes) for _ in range(3)]
-        finally:
-            dma_mod._issue = plain
-        gbps = [2 * case.nbytes / r["pair_ms"] / 1e6 for r in rounds if r["pair_ms"]]
-        one_way = (limits["backup"] + limits["load"]) / 2  # as the bench's pairs
-        log(f"{kind}/{layout}/p{ps}/{slots}/both", {
-            "ratio": [round(g / one_way, 3) for g in gbps], "rounds": rounds})
+        for switch in SWITCH:
+            default = sys.getswitchinterval()
+            dma_mod._issue = noting
+            sys.setswitchinterval(switch or default)
+            try:
+                rounds = [noted_pair(engine, idx, notes) for _ in range(3)]
+            finally:
+                dma_mod._issue = plain
+                sys.setswitchinterval(default)
+            gbps = [2 * case.nbytes / r["pair_ms"] / 1e6 for r in rounds if r["pair_ms"]]
+            one_way = (limits["backup"] + limits["load"]) / 2  # as the bench's pairs
+            log(f"{kind}/{layout}/p{ps}/{slots}/both" + (f", switch {1e3 * switch:g} ms" if switch else ""), {
+                "ratio": [round(g / one_way, 3) for g in gbps], "rounds": rounds})
         case.host.close()
         del case, engine
         torch.cuda.empty_cache()
