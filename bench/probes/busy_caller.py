@@ -33,14 +33,13 @@ Usage: python bench/probes/busy_caller.py OUT.json [--tokens N]
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 
 from kvtier.bench.transfer import Case, measure
 from kvtier.transfer import TransferEngine
-from probelib import JsonLog, args, cell, in_turn, start
+from probelib import JsonLog, args, cell, in_turn, start, switch_interval
 
 PATH, TOKENS = args("/tmp/probe_busy_caller.json")
 log = JsonLog(PATH, tokens=TOKENS)
@@ -72,11 +71,8 @@ def timed_backup(eng, h, d, between, ask_s: float | None = None, switch_s: float
     often; between those, and always when None, it checks with ``_finished()``, which never
     queues anything (the engine's thread alone queues the backup: run 58's case)."""
     torch.cuda.synchronize()
-    old = sys.getswitchinterval()
     state = {"x": torch.zeros(1, device="cuda"), "launched": 0.0}
-    if switch_s is not None:
-        sys.setswitchinterval(switch_s)
-    try:
+    with switch_interval(switch_s):
         t0 = asked = time.perf_counter()
         handle = eng.backup(h, d)
         returned = time.perf_counter() - t0
@@ -90,8 +86,6 @@ def timed_backup(eng, h, d, between, ask_s: float | None = None, switch_s: float
             elif handle._finished():
                 break
         total = time.perf_counter() - t0
-    finally:
-        sys.setswitchinterval(old)
     handle.synchronize()
     return total, returned
 

@@ -33,7 +33,7 @@ import torch
 import kvtier.transfer.dma as dma_mod
 from kvtier.bench.transfer import Case, pair
 from kvtier.transfer import TransferEngine
-from probelib import JsonLog, args, start
+from probelib import JsonLog, args, start, switch_interval
 
 PATH, TOKENS = args("/tmp/probe_pair_chunks.json")
 CASES = [(c[0], c[1], int(c[2]), c[3] if len(c) > 3 else "scattered") for c in
@@ -102,14 +102,12 @@ def main() -> None:
             pair(engine, *idx, True)
         torch.cuda.synchronize()
         for switch in SWITCH:
-            default = sys.getswitchinterval()
             dma_mod._issue = noting
-            sys.setswitchinterval(switch or default)
             try:
-                rounds = [noted_pair(engine, idx, notes) for _ in range(3)]
+                with switch_interval(switch):
+                    rounds = [noted_pair(engine, idx, notes) for _ in range(3)]
             finally:
                 dma_mod._issue = plain
-                sys.setswitchinterval(default)
             gbps = [2 * case.nbytes / r["pair_ms"] / 1e6 for r in rounds if r["pair_ms"]]
             one_way = (limits["backup"] + limits["load"]) / 2  # as the bench's pairs
             log(f"{kind}/{layout}/p{ps}/{slots}/both" + (f", switch {1e3 * switch:g} ms" if switch else ""), {

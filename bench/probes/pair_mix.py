@@ -122,7 +122,7 @@ from kvtier.transfer.base import Backend, get_backend
 from kvtier.transfer.online import DUPLEX
 from kvtier.transfer.dma import DMABackend, DMAConfig
 from kvtier.transfer.kernel import KernelBackend, KernelConfig
-from probelib import JsonLog, args, cell, in_turn, start
+from probelib import JsonLog, args, cell, in_turn, start, switch_interval
 
 PATH, TOKENS = args("/tmp/probe_pair_mix.json")
 # KIND/LAYOUT/PAGE[/SLOTS]: host slots scattered (the default) or as the allocator hands them out.
@@ -179,17 +179,10 @@ def base_and_opts(name: str) -> tuple[str, dict]:
 
 
 def switched(fn, switch_s: float | None):
-    """``fn`` run with the interpreter's switch interval at ``switch_s`` (restored after)."""
-    if switch_s is None:
-        return fn
-
+    """``fn`` run with the interpreter's switch interval at ``switch_s`` (:func:`switch_interval`)."""
     def run():
-        before = sys.getswitchinterval()
-        sys.setswitchinterval(switch_s)
-        try:
+        with switch_interval(switch_s):
             return fn()
-        finally:
-            sys.setswitchinterval(before)
     return run
 
 

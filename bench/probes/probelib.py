@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from contextlib import contextmanager
 
 
 def args(default_path: str, default_tokens: int = 32768) -> tuple[str, int]:
@@ -35,6 +36,19 @@ def transfer(engine, h, d, to_host: bool) -> None:
     else:
         ld = engine.load(h, d)
         ld.wait_layer(ld.layer_num - 1)
+
+
+@contextmanager
+def switch_interval(seconds: float | None):
+    """The interpreter's thread switch interval at ``seconds`` inside the block (None: as it
+    is), restored after."""
+    before = sys.getswitchinterval()
+    if seconds is not None:
+        sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def in_turn(arms: dict, run, warmups: int = 2, rounds: int = 3) -> dict:
