@@ -17,6 +17,8 @@ import time
 import numpy as np
 import torch
 
+from concurrent.futures import Future
+
 from kvtier.transfer.engine import LayerLoad, TransferEngine, TransferHandle
 
 
@@ -70,12 +72,21 @@ class HeldTransferEngine:
         self.pending: list[_Held] = []
         self.lock = threading.RLock()
         self.issued = 0
+        # The next this many backups fail as the CUDA engine reports a background thread that
+        # could not queue a backup's copies: a real handle whose queueing future holds the error.
+        self.fail_backups = 0
 
     @property
     def layer_num(self) -> int:
         return self.real.layer_num
 
     def backup(self, host_indices, device_indices):
+        if self.fail_backups:
+            self.fail_backups -= 1
+            failed: Future = Future()
+            failed.set_exception(RuntimeError("queueing the backup's copies failed"))
+            self.issued += 1
+            return TransferHandle(self.real._nbytes(len(host_indices)), queued=failed)
         h, d = host_indices.clone(), device_indices.clone()
         handle = HeldHandle(self, lambda: self.real.backup(h, d), self.real._nbytes(len(h)))
         return self._track(handle)

@@ -5,13 +5,16 @@
   with the per-layer load into one "layer load", which then failed on ``wait_layer``.
 - demotions that took other device pages' host copies, so that two pages could swap host
   room forever while alloc_device refused with room counted free.
+
+And those a review found (2026-12-04), below their marker.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from cache_testlib import HeldTransferEngine, kv_matches, kv_values, write_kv
+from cache_testlib import HeldTransferEngine, kv_matches, kv_values, make_cache, write_kv
 from kvtier_testlib import make_device_pool, make_host_pool
 from kvtier.cache import CacheConfig, HiCache
 
@@ -89,3 +92,177 @@ def test_a_demotion_never_takes_the_host_copy_of_a_page_still_on_the_device():
     cache.free_device(hog)
     engine.release()
     cache.clear()
+
+
+# -- found by a review (2026-12-04): each failed before its fix -------------------------
+
+def _put(cache, dev, seq):
+    """Serve ``seq`` with nothing to load: compute what the device lacks, insert, unlock."""
+    m = cache.match_prefix(seq, lock=True)
+    own = cache.alloc_device(len(seq) - m.device_len)
+    write_kv(dev, own, kv_values(seq, 0)[m.device_len:])
+    cache.insert(seq, torch.cat([m.device_indices, own]))
+    cache.unlock(m.node)
+
+
+def _tiers(cache) -> list[tuple[list[int], bool, bool]]:
+    return [(n.tokens.tolist(), n.device is not None, n.host is not None) for n in cache.tree.nodes()]
+
+
+def test_a_match_keeps_its_own_host_part_when_its_hot_pages_are_backed_up():
+    """A hit makes a device page hot (write_through_selective) and backs it up; the room for
+    that came from evicting host pages, once including the host-only tail of the very path
+    being matched: the match reported it cached, lock=True locked a removed node, and
+    load_back raised."""
+    cache, dev, host, engine = make_cache(page_size=1, dev_pages=6, host_pages=2,
+                                          write_policy="write_through_selective", selective_hits=2)
+
+    def settle():
+        engine.release()
+        cache.poll()
+    _put(cache, dev, [1])
+    _put(cache, dev, [1, 2])                 # P=[1] -> X=[2], both on the device
+    cache.match_prefix([1, 2])
+    cache.match_prefix([1, 2])
+    settle()                                 # both hot: both backed up
+    assert cache.evict_device(1) == 1        # X: host only
+    assert cache.evict_host(1) == 1          # P's host copy (P stays on the device)
+    _put(cache, dev, [7])
+    cache.match_prefix([7])
+    cache.match_prefix([7])
+    settle()                                 # Q=[7] takes the last host page
+    held = cache.match_prefix([7], lock=True)
+    assert _tiers(cache) == [([7], True, True), ([1], True, False), ([2], False, True)]
+
+    m = cache.match_prefix([1, 2], lock=True)   # P is hot: its backup wants a host page
+    assert (m.device_len, m.host_len) == (1, 1)
+    assert m.node.alive and m.node.lock_ref == 1
+    assert ([2], False, True) in _tiers(cache)  # X is still there, as reported
+    assert cache.metrics.snapshot()["backups_skipped_total.host_full"] == 1
+    r = cache.load_back(m)
+    assert r is not None and r.loaded_tokens == 1
+    r.layer_load.synchronize()
+    assert kv_matches(dev, r.device_indices, kv_values([1, 2], 0))
+    cache.unlock(m.node)
+    cache.unlock(held.node)
+    settle()
+    cache.clear()
+
+
+def test_a_transfer_engine_over_another_host_pool_is_refused():
+    ps = 4
+    dev = make_device_pool("mha", 8 * ps, ps, torch.float16, 2, heads=2, head_dim=4, lora=6, rope=2)
+    host = make_host_pool(dev, "layer_first", 16 * ps)
+    other_dev = make_device_pool("mha", 8 * ps, ps, torch.float16, 2, heads=2, head_dim=4, lora=6, rope=2)
+    other = make_host_pool(other_dev, "layer_first", 16 * ps)
+    with pytest.raises(ValueError, match="another host pool"):
+        HiCache(dev, host, CacheConfig(page_size=ps), transfer_engine=HeldTransferEngine(other))
+
+
+def test_a_failed_backup_is_retired_and_its_host_pages_freed():
+    """A backup whose copies the background thread could not queue: its handle raises. The
+    cache kept the op in flight for good (its host pages held, the node never evictable) and
+    every later poll, match, alloc and clear raised its error."""
+    cache, dev, host, engine = make_cache(write_policy="write_through")
+    free_host = host.allocator.available_pages()
+    seq = list(range(8))
+    engine.fail_backups = 1
+    _put(cache, dev, seq)                    # its write-through backup fails
+    assert cache.poll() == 1
+    s = cache.metrics.snapshot()
+    assert s["transfer_failures_total.backup"] == 1 and s["transfers_total.backup"] == 0
+    assert len(cache.tiers.inflight) == 0 and host.allocator.available_pages() == free_host
+    assert _tiers(cache) == [(seq, True, False)]   # still on the device, intact
+    m = cache.match_prefix(seq, lock=True)
+    assert m.device_len == 8 and kv_matches(dev, m.device_indices, kv_values(seq, 0))
+    cache.unlock(m.node)
+    assert cache.evict_device(8) == 8        # evictable again (a demotion: backed up this time)
+    engine.release()
+    cache.poll()
+    assert _tiers(cache) == [(seq, False, True)]
+    r = cache.load_back(m2 := cache.match_prefix(seq, lock=True))
+    r.layer_load.synchronize()
+    assert kv_matches(dev, r.device_indices, kv_values(seq, 0))
+    cache.unlock(m2.node)
+    engine.release()
+    cache.clear()
+    # Waited on rather than polled (clear, evict_device): the same.
+    engine.fail_backups = 1
+    _put(cache, dev, seq)
+    cache.clear()
+    assert cache.metrics.snapshot()["transfer_failures_total.backup"] == 2
+    assert host.allocator.available_pages() == free_host
+
+
+def test_unlock_refuses_a_node_held_only_by_a_longer_match():
+    """A second unlock of a node locked once, while a longer match still held it, was taken:
+    its lock count went to -1 when the longer match was unlocked, and it was never evicted."""
+    cache, dev, host, engine = make_cache(page_size=4, dev_pages=8, host_pages=0)
+    seq = list(range(8))
+    cache.insert(seq, cache.alloc_device(8))
+    long = cache.match_prefix(seq, lock=True)
+    short = cache.match_prefix(seq[:4], lock=True)   # splits the node
+    cache.unlock(short.node)
+    with pytest.raises(ValueError, match="not locked"):
+        cache.unlock(short.node)
+    cache.unlock(long.node)
+    t = cache.tree
+    assert short.node.lock_ref == 0 and (t.locked_nodes, t.device_locked_pages) == (0, 0)
+    assert cache.evict_device(32) == 8
+
+
+def test_a_backup_that_cannot_get_room_evicts_nothing():
+    """Host room for a backup: the only evictable host page was evicted and the backup then
+    skipped anyway (host_full), the page lost for nothing."""
+    cache, dev, host, engine = make_cache(page_size=1, dev_pages=8, host_pages=3, write_policy="write_through")
+
+    def settle():
+        engine.release()
+        cache.poll()
+    _put(cache, dev, [9])
+    settle()
+    assert cache.evict_device(1) == 1        # X=[9]: host only, one page
+    _put(cache, dev, [1, 2])
+    settle()                                 # L=[1, 2]: device and host, two pages
+    held = cache.match_prefix([1, 2], lock=True)
+    _put(cache, dev, [5, 6])                 # its backup needs two host pages: only X could go
+    assert cache.metrics.snapshot()["backups_skipped_total.host_full"] == 1
+    assert cache.match_prefix([9]).host_len == 1
+    cache.unlock(held.node)
+
+
+def test_device_room_that_eviction_cannot_make_evicts_nothing():
+    """alloc_device beyond free plus unlocked cached pages: None, and the cached pages stay."""
+    cache, dev, host, engine = make_cache(page_size=4, dev_pages=4, host_pages=0)
+    _put(cache, dev, list(range(8)))         # two cached pages, unlocked
+    held = cache.alloc_device(8)             # a request holds the other two
+    assert cache.alloc_device(12) is None
+    assert cache.tree.device_pages == 2 and cache.metrics.snapshot()["dropped_tokens_total"] == 0
+    cache.free_device(held)
+
+
+def test_admit_refused_for_room_loads_nothing():
+    """The engine's admit counted the match's own unlocked pages as room, then locked them:
+    it loaded the host part back and only then found no room for the rest."""
+    from kvtier.engine.kv_manager import PrefixCache
+    from kvtier.engine.sequence import Sequence
+
+    cache, dev, host, engine = make_cache(page_size=4, dev_pages=4, host_pages=8, write_policy="write_through")
+
+    def settle():
+        engine.release()
+        cache.poll()
+    p, x = list(range(4)), list(range(4, 8))
+    _put(cache, dev, p)
+    _put(cache, dev, p + x)
+    settle()
+    assert cache.evict_device(4) == 4        # X: host only; P: device and host
+    other = cache.alloc_device(8)            # another request holds two pages: one free
+    loads = cache.metrics.snapshot()["transfers_total.load"]
+    issued = engine.issued
+    seq = Sequence(p + x + [100, 101, 102, 103], max_new_tokens=1)
+    assert not PrefixCache(cache).admit(seq)  # P's page and X's load + one page: 2 > 1 free
+    assert engine.issued == issued and cache.metrics.snapshot()["transfers_total.load"] == loads
+    assert cache.tree.locked_nodes == 0
+    cache.free_device(other)
+    assert PrefixCache(cache).admit(seq)

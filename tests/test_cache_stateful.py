@@ -2,7 +2,7 @@
 
 Random interleavings of requests (match, lock, load-back, compute, insert,
 unlock), aborts, evictions, transfer completions in random order, polls,
-slot hogs and clear(), over every kind, several layouts, page sizes, write
+slot hogs, backups that fail, and clear(), over every kind, several layouts, page sizes, write
 and eviction policies, with and without a host tier. Checked after every
 step:
 
@@ -98,13 +98,14 @@ class CacheMachine(RuleBasedStateMachine):
     # -- rules -------------------------------------------------------------------------
 
     @precondition(lambda self: len(self.requests) < 3)
-    @rule(data=st.data(), ns=st.sampled_from(NAMESPACES), load=st.booleans())
-    def start_request(self, data, ns, load):
+    @rule(data=st.data(), ns=st.sampled_from(NAMESPACES), load=st.booleans(), lock_at_match=st.booleans())
+    def start_request(self, data, ns, load, lock_at_match):
         seq = self.draw_seq(data, ns)
-        m = self.cache.match_prefix(list(seq), namespace=ns)
+        m = self.cache.match_prefix(list(seq), namespace=ns, lock=lock_at_match)
         self.check_match_bounds(ns, seq, m)
         assert kv_matches(self.dev, m.device_indices, self.values(ns, seq)[: m.device_len])
-        self.cache.lock(m.node)
+        if not lock_at_match:
+            self.cache.lock(m.node)
         req = Request(ns, seq, m)
         if load and m.host_len:
             r = self.cache.load_back(m)
@@ -161,6 +162,12 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(count=st.integers(0, 3))
     def complete_transfers(self, count):
         self.engine.release(count, self.rng)
+
+    @precondition(lambda self: self.host is not None)
+    @rule()
+    def fail_next_backup(self):
+        """The next backup fails as one the background thread could not queue."""
+        self.engine.fail_backups += 1
 
     @rule()
     def poll(self):

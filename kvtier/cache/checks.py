@@ -41,5 +41,8 @@ def check_pools(device_pool, host_pool, config, engine) -> None:
             raise ValueError("host_pool mirrors a different device pool; build it from this device_pool")
         if host_pool.page_size != config.page_size:
             raise ValueError(f"host pool page_size={host_pool.page_size} differs from config.page_size={config.page_size}")
+        if engine is not None and getattr(engine, "host_pool", None) is not host_pool:
+            raise ValueError("transfer_engine moves another host pool than host_pool; build it as "
+                             "TransferEngine(host_pool, ...) from this cache's host pool")
     elif engine is not None:
         raise ValueError("transfer_engine given without a host_pool; a device-only cache moves nothing")

@@ -118,10 +118,15 @@ class HiCache:
             host_len = matched - len(dev_pages) * self.page_size
             self.tree.touch(path, hit=True)
             self._count_match(len(tokens), len(dev_pages) * self.page_size, host_len)
-            self._backup_hot(path[:n_dev])
             node = path[-1] if path else root
-            if lock:
-                self.tree.lock(node)
+            # Locked before the hot pages' backup, which may evict host pages for room: the
+            # match's own host part must not be among them (it is reported cached).
+            self.tree.lock(node)
+            try:
+                self._backup_hot(path[:n_dev])
+            finally:
+                if not lock:
+                    self.tree.unlock(node)
             return MatchResult(tokens_of(dev_pages, self.page_size), host_len, node, namespace)
 
     def lock(self, node: Node) -> None:
@@ -133,8 +138,11 @@ class HiCache:
     def unlock(self, node: Node) -> None:
         with self._lock:
             self._check_node(node)
-            if node.parent is not None and node.lock_ref == 0:
-                raise ValueError("unlock without a matching lock: this node is not locked")
+            # A node's own locks: its count less its children's (a lock on a longer match
+            # holds this node too, but is that match's to release).
+            if node.parent is not None and node.lock_ref - sum(c.lock_ref for c in node.children.values()) <= 0:
+                raise ValueError("unlock without a matching lock: this node is not locked by its own lock "
+                                 "(unlock the node lock() or match_prefix(lock=True) gave you, once)")
             self.tree.unlock(node)
 
     # -- insert ----------------------------------------------------------------

@@ -19,7 +19,7 @@ BACKUP, LOAD = "backup", "load"
 class Op:
     """One issued transfer and the nodes whose pages it reads or writes."""
 
-    __slots__ = ("kind", "nodes", "handle", "nbytes", "issued")
+    __slots__ = ("kind", "nodes", "handle", "nbytes", "issued", "error")
 
     def __init__(self, kind: str, nodes: list, handle, nbytes: int, issued: float):
         self.kind = kind
@@ -27,6 +27,7 @@ class Op:
         self.handle = handle
         self.nbytes = nbytes
         self.issued = issued
+        self.error: BaseException | None = None  # what stopped it (its handle raised)
 
     def seconds(self) -> float:
         """Issue to completion (completion as the handle saw it, or now)."""
@@ -53,14 +54,19 @@ class InFlight:
         self.queues[op.kind].append(op)
 
     def take_done(self) -> list[Op]:
-        """Remove and return every op whose handle reports done."""
+        """Remove and return every op whose handle reports done, or raised (the error in
+        ``op.error``: a backup whose copies the background thread failed to queue)."""
         done: list[Op] = []
         for q in self.queues.values():
             if not q:
                 continue
             pending = deque()
             for op in q:
-                (done if op.handle.done() else pending).append(op)
+                try:
+                    finished = op.handle.done()
+                except Exception as err:  # noqa: BLE001 - the caller retires the op, and counts it
+                    op.error, finished = err, True
+                (done if finished else pending).append(op)
             if len(pending) != len(q):
                 q.clear()
                 q.extend(pending)
@@ -98,3 +104,7 @@ class CombinedLayerLoad(LayerLoad):
         for x in self.loads:
             x.synchronize()
         self.done()
+
+    def settle(self) -> BaseException | None:
+        errors = [x.settle() for x in self.loads]
+        return next((e for e in errors if e is not None), None)

@@ -68,6 +68,8 @@ class CacheMetrics:
         self.transfer_seconds = {d: sec.labels(direction=d) for d in DIRECTIONS}
         cnt = counter("transfers", "Transfers completed", ["direction"])
         self.transfers = {d: cnt.labels(direction=d) for d in DIRECTIONS}
+        fail = counter("transfer_failures", "Transfers that failed (retired, their pages freed)", ["direction"])
+        self.transfer_failures = {d: fail.labels(direction=d) for d in DIRECTIONS}
         self.stall_seconds = counter("stall_seconds", "Time the cache blocked waiting for a transfer")
         adv = counter("advice", "Load-or-recompute decisions", ["decision"])
         self.advice = {d: adv.labels(decision=d) for d in ("load", "recompute")}

@@ -106,7 +106,11 @@ class Tiers:
     # -- getting room ------------------------------------------------------
 
     def obtain_device(self, n_pages: int) -> np.ndarray | None:
-        """``n_pages`` free device pages, evicting (and waiting for demotions) as needed."""
+        """``n_pages`` free device pages, evicting (and waiting for demotions) as needed; None,
+        with nothing evicted, where the unlocked cached pages would not make room either."""
+        t = self.tree
+        if self.device_alloc.available_pages() + t.device_pages - t.device_locked_pages < n_pages:
+            return None
         for _ in range(self.max_rounds):
             pages = self.device_alloc.alloc_pages(n_pages)
             if pages is not None:
@@ -130,9 +134,29 @@ class Tiers:
         """
         pages = self.host_alloc.alloc_pages(n_pages)
         if pages is None:
-            self.evict_host(n_pages - self.host_alloc.available_pages(), keep_device_copies)
+            short = n_pages - self.host_alloc.available_pages()
+            if self.host_reclaimable(keep_device_copies) < short:
+                return None  # evicting would lose cached pages and still not make room
+            self.evict_host(short, keep_device_copies)
             pages = self.host_alloc.alloc_pages(n_pages)
         return pages
+
+    def host_reclaimable(self, keep_device_copies: bool = False) -> int:
+        """Host pages :meth:`evict_host` could free now, all of them: host copies of device
+        nodes (unless ``keep_device_copies``), and host-only nodes whose whole subtree can go
+        (their descendants are host-only too: device residency is closed under ancestors)."""
+        gone: dict[Node, bool] = {}  # host-only node -> removable with its subtree
+        total = 0
+        for n in reversed(list(self.tree.nodes())):  # children before parents
+            if n.host is None:
+                continue
+            free = n.host_ready and n.op is None and n.lock_ref == 0
+            if n.device is None:
+                free = gone[n] = free and all(gone.get(c, False) for c in n.children.values())
+            elif keep_device_copies:
+                free = False
+            total += len(n.host) if free else 0
+        return total
 
     # -- device eviction -----------------------------------------------------
 
@@ -279,9 +303,13 @@ class Tiers:
         return op
 
     def poll(self) -> int:
-        """Complete every op whose transfer has finished; returns how many."""
+        """Complete every op whose transfer has finished; returns how many (failed ones too:
+        :meth:`_failed`)."""
         done = self.inflight.take_done()
         for op in done:
+            if op.error is not None:
+                self._failed(op)
+                continue
             seconds = op.seconds()
             self.meters[op.kind].add(op.nbytes, seconds)
             self.metrics.transfer_bytes[op.kind].inc(op.nbytes)
@@ -295,12 +323,33 @@ class Tiers:
                     n.device_ready = True
         return len(done)
 
+    def _failed(self, op: Op) -> None:
+        """Retire a backup whose copies could not all be queued: once what was queued has run,
+        its host pages are freed and its nodes are as before it (their device pages, which it
+        read, are intact; a demotion is simply not done). A load cannot fail this way: its
+        copies are all queued before the engine's ``load()`` returns, and an error there raises
+        from :meth:`_issue`, undone."""
+        if op.kind != BACKUP:
+            raise RuntimeError(f"a {op.kind} in flight failed: {op.error}") from op.error
+        settle = getattr(op.handle, "settle", None)  # an engine of the caller's may lack it
+        try:
+            settle() if settle is not None else op.handle.synchronize()
+        except Exception:  # noqa: BLE001 - the error is op.error already
+            pass
+        for n in op.nodes:
+            n.op = None
+            self.host_alloc.free_pages(self.tree.drop_host(n))
+        self.metrics.transfer_failures[op.kind].inc()
+
     def wait_oldest(self, kind: str | None = None) -> None:
         op = self.inflight.oldest(kind)
         if op is None:
             return
         t0 = time.perf_counter()
-        op.handle.synchronize()
+        try:
+            op.handle.synchronize()
+        except Exception:  # noqa: BLE001 - a failed backup: poll() retires it (_failed)
+            pass
         self.metrics.stall_seconds.inc(time.perf_counter() - t0)
         self.poll()
 

@@ -87,11 +87,12 @@ class PrefixCache(_Pages):
 
     def admit(self, seq: Sequence) -> bool:
         # At least one token must be computed, to get the logits of the last one.
-        match = self.cache.match_prefix(seq.token_ids[: seq.num_tokens - 1], namespace=seq.namespace)
+        # Locked as it is matched: the room counted next must not include the match's own pages.
+        match = self.cache.match_prefix(seq.token_ids[: seq.num_tokens - 1], namespace=seq.namespace, lock=True)
         need = _round_up(seq.num_tokens - match.device_len, self.page_size)
         if need > self.cache.device_free_tokens():
+            self.cache.unlock(match.node)
             return False  # would fail after loading; skip the transfer
-        self.cache.lock(match.node)
         prefix, layer_load, from_host = match.device_indices, None, 0
         if match.host_len and self._load_host(match):
             loaded = self.cache.load_back(match)

@@ -117,6 +117,15 @@ class TransferHandle:
             self._event.synchronize()
         self.done()
 
+    def settle(self) -> BaseException | None:
+        """Block until whatever the transfer queued has run, and return the error that
+        stopped its queueing (None if there was none); never raises. After a failure, the
+        transfer's destination slots are safe to reuse once this returns."""
+        self._await_queued(raise_error=False)
+        if self._event is not None:
+            self._event.synchronize()
+        return self._queued.exception() if self._queued is not None else None
+
 
 class LayerLoad:
     """Completion of a layer-by-layer load: one event per layer."""
@@ -163,6 +172,12 @@ class LayerLoad:
         if self._events is not None:
             self._events[-1].synchronize()
         self.done()
+
+    def settle(self) -> BaseException | None:
+        """As :meth:`TransferHandle.settle`: a load's copies are all queued before
+        ``load()`` returns (an error raises there), so this only waits."""
+        self.synchronize()
+        return None
 
 
 @dataclass
