@@ -161,3 +161,17 @@ def test_pump_if_stalled_leaves_a_job_that_is_getting_on_to_the_worker():
     assert backlog.stalled()
     backlog.pump(f, if_stalled=True)
     assert ran == [0] and f.done()
+
+
+def test_add_whose_worker_cannot_start_leaves_no_job_behind():
+    """A worker that cannot start (its executor shut down: the engine going away) raises from
+    ``add``; the job used to stay queued all the same and run at some later, unrelated pump."""
+    pool = ThreadPoolExecutor(1)
+    pool.shutdown()
+    b = Backlog(pool.submit)
+    ran = []
+    with pytest.raises(RuntimeError, match="shutdown"):
+        b.add(lambda: ran.append("a"))
+    assert len(b) == 0
+    b.pump()
+    assert ran == []

@@ -1094,3 +1094,30 @@ def test_a_dropped_engine_frees_its_host_pool_at_once(backend, background):
         assert memory() is None, f"host memory still held by {referrers}"
     finally:
         gc.enable()
+
+
+def test_auto_per_layer_loads_leave_no_transfer_open():
+    """``load_to_device_per_layer(..., "auto")`` prepares each layer on its own; each used to
+    open a timing that only a whole load's last layer closed, so every other layer's stayed
+    'in flight' for good, and every later backup was chosen as if sharing the link with a load."""
+    from kvtier.transfer.auto import AutoBackend
+    from kvtier.transfer.dma import DMABackend
+    from kvtier.transfer.kernel import KernelBackend
+    spec = SPECS["mla"]
+    dev, host = _pools(spec, 16, "layer_first")
+    auto = AutoBackend(KernelBackend(), DMABackend())
+    h = torch.arange(128)
+    d = torch.arange(128, 256)
+    for _ in range(3):
+        for layer in range(dev.layer_num):
+            auto.load(host.transfer_parts(), h, d, layer)
+    torch.cuda.synchronize()
+    auto.timings.harvest(auto.chooser)
+    assert not auto.timings._pending
+    assert not auto.timings.busy(False) and not auto.timings.sharing(True)
+    ref = torch.arange(256, 384)
+    for layer in range(dev.layer_num):   # the bytes all the same: against the direct backend
+        host.load_to_device_per_layer(dev, h, ref, layer, "direct")
+    for k, st in dev.stacks.items():
+        assert torch.equal(_b(st[:, d.cuda()]), _b(st[:, ref.cuda()])), k
+    host.close()

@@ -332,3 +332,23 @@ def test_a_pair_whose_other_half_failed_is_not_filed():
     t.drop(failed)
     t.harvest(c)
     assert not c.pairs and not t._paired
+
+
+def test_explore_must_be_positive():
+    with pytest.raises(ValueError, match=r"OnlineChooser.explore must be a positive integer, got 0"):
+        OnlineChooser(explore=0)
+
+
+def test_each_candidate_keeps_its_latest_samples_only():
+    """A server times a shape millions of times; every pick scores every sample kept (all
+    of them: 39 ms of host time a pick after 100k transfers)."""
+    from kvtier.transfer.online import WINDOW
+    c = OnlineChooser(explore=1)
+    key = ("shape",)
+    for i in range(10 * WINDOW):
+        c.record(key, "dma", 10.0 + i)
+        c.record_pair(key + (DUPLEX,), "dma", 10.0 + i)
+    kept = c.samples[key]["dma"]
+    assert kept == [10.0 + i for i in range(9 * WINDOW, 10 * WINDOW)]
+    assert len(c.pairs[key + (DUPLEX,)]["dma"]) == WINDOW
+    assert score(kept) == 10.0 + 10 * WINDOW - 2

@@ -280,7 +280,9 @@ class AutoBackend(Backend):
                 self.timings.drop(timing)
                 raise
             state["bytes"] += per_run
-            if layer is None or layer == parts[0].layer_num - 1:
+            # The transfer ends with a backup, a whole load's last layer, or a single layer
+            # prepared on its own (``load``): a timing left open would count as in flight for good.
+            if layer is None or layer == parts[0].layer_num - 1 or not whole:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record(torch.cuda.current_stream(device))
                 self.timings.close(timing, state["bytes"], end)

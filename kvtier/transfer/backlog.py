@@ -43,8 +43,17 @@ class Backlog:
         fut: Future = Future()
         if not self._jobs:
             self._progress = time.perf_counter()
-        self._jobs.append((job, fut))
-        self._start_worker(self.pump)
+        entry = (job, fut)
+        self._jobs.append(entry)
+        try:
+            self._start_worker(self.pump)
+        except BaseException:
+            # Not left behind for a later pump to run: the caller gets the error, not the job.
+            # (Unless a pump in another thread already took it: then it has run, and counts.)
+            with self._lock:
+                if any(e is entry for e in self._jobs):
+                    self._jobs.remove(entry)
+                    raise
         return fut
 
     def progress(self) -> None:

@@ -29,10 +29,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..validate import require_positive_int
 from .dma_plan import Runs, run_class
 
 
 DUPLEX = "duplex"
+# Samples kept per shape and candidate, the latest: every pick scores them all, and a
+# long-running server times millions of transfers of one shape (all kept, one pick took 39 ms
+# of host time after 100k). The bench's cases add at most ~22 a shape.
+WINDOW = 32
 
 
 def shape_key(to_host: bool, parts, host_np: np.ndarray, nbytes: int, runs: Runs | None = None) -> tuple:
@@ -97,6 +102,7 @@ class OnlineChooser:
     tie: float = 0.02
 
     def __post_init__(self) -> None:
+        require_positive_int("OnlineChooser.explore", self.explore)
         self._lock = threading.Lock()
 
     def pick(self, key, candidates: list[str], partner_kernel_only: bool = False) -> str:
@@ -147,18 +153,23 @@ class OnlineChooser:
     def record(self, key, candidate: str, gbps: float) -> None:
         if gbps > 0 and math.isfinite(gbps):
             with self._lock:
-                self.samples[key][candidate].append(gbps)
+                _keep_latest(self.samples[key][candidate], gbps)
 
     def record_pair(self, key, candidate: str, gbps: float) -> None:
         """A transfer of ``candidate`` under shared ``key`` and those beside it moved ``gbps`` together."""
         if gbps > 0 and math.isfinite(gbps):
             with self._lock:
-                self.pairs[key][candidate].append(gbps)
+                _keep_latest(self.pairs[key][candidate], gbps)
 
     def best(self, key) -> str | None:
         """The candidate with the highest :func:`score` for ``key`` (None: nothing timed)."""
         seen = self._scores(key)
         return max(seen, key=seen.get) if seen else None
+
+
+def _keep_latest(samples: list[float], gbps: float) -> None:
+    samples.append(gbps)
+    del samples[:-WINDOW]
 
 
 def score(samples: list[float]) -> float:
