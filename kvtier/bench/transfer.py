@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import time
 import zlib
 from collections import Counter
@@ -268,7 +269,7 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
             limits["both"] = (limits["backup"] + limits["load"]) / 2
             for direction, key in (("backup", "backup"), ("load", "load"), ("both", "duplex")):
                 rows.append(Row("all", "contiguous", 0, direction, "contiguous", "contiguous",
-                                round(limits[key], 2), round(limits[direction], 2),
+                                _gb(limits[key]), _gb(limits[direction]),
                                 round(limits[key] / limits[direction], 3), 0))
         for which in [h for h in SLOT_KINDS if h in slots]:
             host = case.spread_host(spread) if which == "spread" else case.host
@@ -312,7 +313,7 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
                     sms, groups, samples, pair = last[(backend, direction)]
                     gbps, lim = float(np.median(g)), limits[direction]
                     rows.append(Row(kind, layout, ps, direction, backend, which,
-                                    round(gbps, 2), round(lim, 2), round(gbps / lim, 3), sms))
+                                    _gb(gbps), _gb(lim), round(gbps / lim, 3), sms))
                     if on_row:
                         extra = {"rounds": [round(x, 2) for x in g]} if rounds > 1 else {}
                         if pair:
@@ -400,9 +401,15 @@ def round_order(backends: list[str], rnd: int) -> list[str]:
 
 def _with_limits(r: Row, limits: dict) -> Row:
     """``r`` against ``limits``; the contiguous rows (kind "all") take the limits themselves."""
-    gbps = round(limits[{"both": "duplex"}.get(r.direction, r.direction)], 2) if r.kind == "all" else r.gbps
-    lim = round(limits[r.direction], 2)
+    gbps = _gb(limits[{"both": "duplex"}.get(r.direction, r.direction)]) if r.kind == "all" else r.gbps
+    lim = _gb(limits[r.direction])
     return Row(r.kind, r.layout, r.page_size, r.direction, r.backend, r.host_slots, gbps, lim, round(gbps / lim, 3), r.sms)
+
+
+def _gb(x: float) -> float:
+    """GB/s as a row reports it: two decimals, or four significant digits where that is more
+    (a CPU's quick run measures ~0.15 GB/s, and two decimals put its ratios off by 3%)."""
+    return round(x, max(2, 3 - math.floor(math.log10(x)))) if x > 0 else x
 
 
 def sample_counts(backend) -> dict:
