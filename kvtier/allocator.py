@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from .validate import require_positive_int
+from .validate import is_int, require_positive_int
 
 
 class AllocatorError(ValueError):
@@ -143,7 +143,7 @@ class PageAllocator:
 
     def alloc_pages(self, num_pages: int) -> np.ndarray | None:
         """Page ids (int64, ascending within each run), or None if too few are free."""
-        if not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
+        if not is_int(num_pages) or num_pages < 0:
             raise AllocatorError(f"num_pages must be a non-negative integer, got {num_pages!r}")
         runs = self._take(int(num_pages))
         if runs is None:
@@ -166,7 +166,7 @@ class PageAllocator:
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """Token indices of ``need_size / page_size`` whole pages, or None."""
-        if not isinstance(need_size, (int, np.integer)) or need_size < 0:
+        if not is_int(need_size) or need_size < 0:
             raise AllocatorError(f"need_size must be a non-negative integer, got {need_size!r}")
         if need_size % self.page_size:
             raise AllocatorError(
@@ -185,6 +185,8 @@ class PageAllocator:
 
     def free(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> int:
         """Give back token indices from :meth:`alloc`; returns how many tokens were freed."""
+        if getattr(indices, "ndim", 1) != 1:
+            raise AllocatorError(f"indices must be one-dimensional, got shape {tuple(indices.shape)}")
         n = len(indices) if hasattr(indices, "__len__") else None
         if n is not None and 0 < n <= _SMALL_PAGES * self.page_size and _is_flat(indices):
             pages = _small_tokens_to_pages(indices, self.page_size, self.size)
@@ -260,7 +262,8 @@ _SMALL_PAGES = 8
 
 def _is_flat(values) -> bool:
     if isinstance(values, torch.Tensor):
-        return values.dim() == 1 and not (values.dtype.is_floating_point or values.dtype == torch.bool)
+        return values.dim() == 1 and not (values.dtype.is_floating_point or values.dtype.is_complex
+                                          or values.dtype == torch.bool)
     if isinstance(values, np.ndarray):
         return values.ndim == 1 and np.issubdtype(values.dtype, np.integer)
     return isinstance(values, (list, tuple)) and all(
@@ -295,7 +298,7 @@ def _small_tokens_to_pages(values, page_size: int, size: int) -> list[int]:
 
 def _as_int_array(values, name: str) -> np.ndarray:
     if isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype == torch.bool:
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
             raise AllocatorError(f"{name} must be an integer tensor, got dtype {values.dtype}")
         values = values.detach().to("cpu", torch.int64).numpy()
     arr = np.asarray(values)

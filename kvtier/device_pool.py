@@ -9,6 +9,8 @@ and ``*_data_ptrs`` hold their addresses on the pool's device. Token slots
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .memory import check_host_memory
@@ -63,6 +65,21 @@ class KVPool:
     def mem_usage_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.stacks.values())
 
+    def _stored(self, component: str, x: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+        """``x``, values for slots ``loc`` of one layer of ``component``, as the pool stores them:
+        converted to the pool's dtype first (bf16 into an FP8 pool is cast, not reinterpreted),
+        then FP8 as its bytes; shaped ``(len(loc), *item)``, checked before anything is written."""
+        item = next(c.item_shape for c in self.spec.components if c.name == component)
+        n = loc.numel() if isinstance(loc, torch.Tensor) else len(loc)
+        if x.numel() != n * math.prod(item):
+            raise ValueError(f"{component} has shape {tuple(x.shape)}; {n} slots of this pool take "
+                             f"{(n, *item)} ({self.spec.describe()})")
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        if self.store_dtype != self.dtype:
+            x = x.view(self.store_dtype)
+        return x.reshape(n, *item)
+
     def layer_bytes(self, component: str, layer_id: int) -> torch.Tensor:
         """Layer ``layer_id`` of ``component`` as a ``(size, item_bytes)`` uint8 view."""
         return as_rows(getattr(self, layer_attr(component))[layer_id])
@@ -101,8 +118,9 @@ class MHATokenToKVPool(KVPool):
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V of new tokens into slots ``loc`` of one layer."""
-        self.k_buffer[layer_id][loc] = k.to(self.store_dtype) if self.dtype == self.store_dtype else k.view(self.store_dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.store_dtype) if self.dtype == self.store_dtype else v.view(self.store_dtype)
+        k, v = self._stored("k", k, loc), self._stored("v", v, loc)
+        self.k_buffer[layer_id][loc] = k
+        self.v_buffer[layer_id][loc] = v
 
 
 class MLATokenToKVPool(KVPool):
@@ -125,7 +143,7 @@ class MLATokenToKVPool(KVPool):
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, kv: torch.Tensor) -> None:
         """Write latent rows ``(n, 1, kv_lora_rank + qk_rope_head_dim)`` into slots ``loc``."""
-        self.kv_buffer[layer_id][loc] = kv.to(self.store_dtype) if self.dtype == self.store_dtype else kv.view(self.store_dtype)
+        self.kv_buffer[layer_id][loc] = self._stored("kv", kv, loc)
 
 
 class DSATokenToKVPool(MLATokenToKVPool):
@@ -140,8 +158,9 @@ class DSATokenToKVPool(MLATokenToKVPool):
 
     quant_method = "per_tensor"
 
-    def __init__(self, size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device="cpu", index_head_dim=128):
-        self._index_head_dim = index_head_dim
+    def __init__(self, size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device="cpu", index_head_dim=128,
+                 index_k_bytes: int = 0):
+        self._index_head_dim, self._index_k_bytes = index_head_dim, index_k_bytes
         super().__init__(size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device)
         self.index_head_dim = index_head_dim
         self.index_k_row_bytes = self.spec.index_k_row_bytes
@@ -149,11 +168,14 @@ class DSATokenToKVPool(MLATokenToKVPool):
     def _spec(self, dtype, kv_lora_rank, qk_rope_head_dim, layer_num) -> KVSpec:
         return KVSpec(
             DSA, layer_num, dtype, kv_lora_rank=kv_lora_rank,
-            qk_rope_head_dim=qk_rope_head_dim, index_head_dim=self._index_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim, index_head_dim=self._index_head_dim, index_k_bytes=self._index_k_bytes,
         )
 
     def page_index_k(self, layer_id: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(FP8 values ``(page_size, index_head_dim)``, FP32 scales ``(page_size, groups)``) of one page."""
+        if self.spec.index_k_bytes:
+            raise ValueError(f"page_index_k reads the FP8 index-K format; this pool keeps {self.spec.index_k_bytes} B "
+                             "rows of another (index_k_bytes): read index_k_buffer directly")
         p, d = self.page_size, self.index_head_dim
         raw = self.index_k_buffer[layer_id][page * p : (page + 1) * p].reshape(-1)
         values = raw[: p * d].view(p, d)
@@ -172,5 +194,5 @@ def pool_from_spec(spec: KVSpec, size: int, page_size: int, device="cpu") -> KVP
         return MLATokenToKVPool(size, page_size, spec.dtype, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.layer_num, device)
     return DSATokenToKVPool(
         size, page_size, spec.dtype, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.layer_num, device,
-        index_head_dim=spec.index_head_dim,
+        index_head_dim=spec.index_head_dim, index_k_bytes=spec.index_k_bytes,
     )

@@ -15,6 +15,8 @@ signals.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import threading
 from functools import cached_property
 
@@ -25,10 +27,10 @@ from .allocator import AllocatorError, PageAllocator, tokens_to_pages
 from .device_pool import as_rows, layer_attr
 from .layouts import HostLayout, Placement, get_layout
 from .memory import GB, HostBuffer, check_host_memory, gpu_available, huge_page_bytes, resolve_huge_pages
-from .spec import DSA, MHA, MLA, KVSpec
+from .spec import DSA, MHA, MLA, KVSpec, dsa_index_row_bytes
 from .transfer.base import TransferPart, get_backend
 from .transfer import direct as _direct  # noqa: F401  (registers the direct backend)
-from .validate import require_positive_int
+from .validate import is_int, require_positive_int
 
 logger = logging.getLogger("kvtier")
 
@@ -45,7 +47,12 @@ def spec_of(device_pool, kind: str) -> KVSpec:
     dtype = getattr(device_pool, "dtype", None) or device_pool.store_dtype
     if kind == MHA:
         return KVSpec(MHA, device_pool.layer_num, dtype, head_num=device_pool.head_num, head_dim=device_pool.head_dim)
-    extra = {"index_head_dim": device_pool.index_head_dim} if kind == DSA else {}
+    extra = {}
+    if kind == DSA:
+        extra["index_head_dim"] = device_pool.index_head_dim
+        rows = getattr(device_pool, "index_k_row_bytes", None)  # the engine's index-K format
+        if rows is not None and rows != dsa_index_row_bytes(device_pool.index_head_dim):
+            extra["index_k_bytes"] = rows
     return KVSpec(
         kind, device_pool.layer_num, dtype, kv_lora_rank=device_pool.kv_lora_rank,
         qk_rope_head_dim=device_pool.qk_rope_head_dim, **extra,
@@ -78,7 +85,7 @@ class HostKVCache:
             raise ValueError("pin_memory=True needs CUDA; CPU-only torch cannot pin memory (leave it None)")
         self.huge_pages = resolve_huge_pages(huge_pages)
         self.device_pool = device_pool
-        self.page_size = page_size
+        self.page_size = page_size = int(page_size)
         self.layout = layout
         self.device = "cpu"
         self.dtype = self.spec.store_dtype
@@ -218,11 +225,14 @@ class HostKVCache:
         if not self.validate_indices or h.numel() == 0:
             return h, d, hc, dc
         _check_range(hc, self.size, "host_indices", "host pool")
-        _check_range(dc, device_pool.size, "device_indices", "device pool")
+        # The device buffers' rows, not ``size``: SGLang-style pools keep ``size + page_size``
+        # rows, and their allocator hands out slots in the last page too.
+        rows = min(p.device_layers[0].shape[0] for p in self.transfer_parts(device_pool))
+        _check_range(dc, rows, "device_indices", "device pool")
         if self.KIND == DSA and self.page_size > 1:
             try:
                 tokens_to_pages(hc, self.page_size, self.size)
-                tokens_to_pages(dc, self.page_size, device_pool.size)
+                tokens_to_pages(dc, self.page_size, rows)
             except AllocatorError as e:
                 raise ValueError(
                     f"DSA index-K pages are block-split and only move as whole pages: {e}"
@@ -243,7 +253,11 @@ class HostKVCache:
         return self.page_size * self.size_per_token
 
     def _page_of(self, index) -> int:
-        if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
+        # Storage backends pass ``host_indices[i]``, a 0-d integer tensor, as SGLang's do.
+        if isinstance(index, torch.Tensor) and index.numel() == 1 and not (
+                index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool):
+            index = int(index.item())
+        if not is_int(index):
             raise ValueError(f"index must be an integer token index, got {index!r}")
         if index % self.page_size or not 0 <= index < self.size:
             raise ValueError(
@@ -395,7 +409,9 @@ class MLATokenToKVPoolHost(HostKVCache):
         self.data_ptrs = self._ptr_table("kv")
 
     def get_ksize_per_token(self) -> int:
-        return self.spec.latent_dim * self.dtype.itemsize * self.layer_num
+        """All of a token's bytes (DSA's index-K too), as the seed's MLA and DSA pools say:
+        storage backends size a page as this x page_size."""
+        return self.size_per_token
 
 
 class DSATokenToKVPoolHost(MLATokenToKVPoolHost):
@@ -449,8 +465,8 @@ def _check_page_size(page_size, device_pool) -> None:
 
 def _size_in_pages(tokens, gb, ratio, device_size, page_size, per_token) -> int:
     for name, v in (("host_size_tokens", tokens), ("host_size", gb), ("host_to_device_ratio", ratio)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or v != v:
-            raise ValueError(f"{name} must be a non-negative number, got {v!r}")
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be a non-negative finite number, got {v!r}")
     if tokens > 0:
         if int(tokens) != tokens:
             raise ValueError(f"host_size_tokens must be a whole number, got {tokens!r}")

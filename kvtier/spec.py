@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from .validate import require_positive_int
+from .validate import require_int_at_least, require_positive_int
 
 MHA, MLA, DSA = "mha", "mla", "dsa"
 KINDS = (MHA, MLA, DSA)
@@ -85,7 +85,9 @@ class KVSpec:
     ``mha``: ``head_num`` x ``head_dim`` for K and again for V.
     ``mla``: one latent row of ``kv_lora_rank + qk_rope_head_dim`` values.
     ``dsa``: the MLA row plus an index-K row of ``index_head_dim`` FP8 bytes
-    and ``index_head_dim / 128`` FP32 scales.
+    and ``index_head_dim / 128`` FP32 scales; ``index_k_bytes`` names another
+    row width where an engine keeps index-K in another format (its device pool's
+    ``index_k_row_bytes``, e.g. 256 for 128 bf16 values; 0: the FP8 format's).
     """
 
     kind: str
@@ -97,6 +99,7 @@ class KVSpec:
     qk_rope_head_dim: int = 0
     index_head_dim: int = 0
     name: str = field(default="", compare=False)
+    index_k_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -108,18 +111,22 @@ class KVSpec:
             require_positive_int("head_dim", self.head_dim)
         else:
             require_positive_int("kv_lora_rank", self.kv_lora_rank)
-            if self.qk_rope_head_dim < 0:
-                raise ValueError(
-                    f"qk_rope_head_dim must be >= 0, got {self.qk_rope_head_dim}"
-                )
+            require_int_at_least("qk_rope_head_dim", self.qk_rope_head_dim, 0)
+        require_int_at_least("index_k_bytes", self.index_k_bytes, 0)
+        if self.index_k_bytes and self.kind != DSA:
+            raise ValueError(f"index_k_bytes is for DSA specs only (index-K rows); got {self.index_k_bytes} "
+                             f"for a {self.kind.upper()} spec: leave it 0")
         if self.kind == DSA:
             require_positive_int("index_head_dim", self.index_head_dim)
-            if self.index_head_dim % DSA_INDEX_GROUP:
+            if self.index_head_dim % DSA_INDEX_GROUP and not self.index_k_bytes:
                 raise ValueError(
                     f"index_head_dim must be a multiple of {DSA_INDEX_GROUP} "
                     f"(one FP32 scale per {DSA_INDEX_GROUP} FP8 values), "
                     f"got {self.index_head_dim}"
                 )
+        for name in ("layer_num", "head_num", "head_dim", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim",
+                     "index_k_bytes"):
+            object.__setattr__(self, name, int(getattr(self, name)))  # numpy integers as ints
 
     @property
     def store_dtype(self) -> torch.dtype:
@@ -135,7 +142,9 @@ class KVSpec:
 
     @property
     def index_k_row_bytes(self) -> int:
-        return dsa_index_row_bytes(self.index_head_dim) if self.kind == DSA else 0
+        if self.kind != DSA:
+            return 0
+        return self.index_k_bytes or dsa_index_row_bytes(self.index_head_dim)
 
     @property
     def components(self) -> tuple[Component, ...]:
@@ -171,6 +180,8 @@ class KVSpec:
             dims = f"latent {self.kv_lora_rank}+{self.qk_rope_head_dim}"
             if self.kind == DSA:
                 dims += f", index-K {self.index_head_dim}"
+                if self.index_k_bytes:
+                    dims += f" in {self.index_k_bytes} B rows"
         return f"{self.kind.upper()}, {self.layer_num} layers, {dims}, {dt}"
 
     def salt(self, layout: str, page_size: int) -> bytes:
@@ -179,7 +190,7 @@ class KVSpec:
             self.kind, self.layer_num, str(self.dtype), self.head_num, self.head_dim,
             self.kv_lora_rank, self.qk_rope_head_dim, self.index_head_dim,
             layout, page_size,
-        )
+        ) + ((f"index_k_bytes={self.index_k_bytes}",) if self.index_k_bytes else ())  # earlier keys unchanged
         return "|".join(map(str, fields)).encode()
 
 

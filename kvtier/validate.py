@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import numbers
+
+import numpy as np
+
+
+def is_int(value) -> bool:
+    """A Python or numpy integer, not a bool (``True`` is no count of anything)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
 
 def require_positive_int(name: str, value) -> None:
-    """``value`` must be an int > 0 (bools are refused)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    """``value`` must be an integer > 0 (Python or numpy; bools are refused)."""
+    if not is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def require_int_at_least(name: str, value, low: int) -> None:
+    """``value`` must be an integer >= ``low`` (Python or numpy; bools are refused)."""
+    if not is_int(value) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")

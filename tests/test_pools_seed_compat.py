@@ -1,0 +1,173 @@
+"""Calls as SGLang-style engines and their storage backends make them, each of which kvtier
+refused or got wrong before (a review, 2026-12-04), and the refusals that went with them.
+
+The engine's own device pools are stood in for by :class:`EnginePool`: the attributes a
+SGLang-style pool has (``size``, ``page_size``, ``k_buffer``/``kv_buffer``/``index_k_buffer``
+lists of per-layer tensors ...), with ``size + page_size`` rows a layer as those engines
+allocate them (their paged allocator hands out pages 1 .. size/page_size, so the last page's
+slots lie past ``size``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import DSATokenToKVPoolHost, MHATokenToKVPool, MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from kvtier.allocator import AllocatorError, PageAllocator
+from kvtier.spec import KVSpec
+from kvtier_testlib import fill_random, make_device_pool, make_host_pool
+
+
+class EnginePool:
+    """A SGLang-style device pool: per-layer buffers of ``size + page_size`` rows."""
+
+    def __init__(self, kind, size, page_size, layers=2, index_k_row_bytes=None, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        rows = size + page_size
+        self.size, self.page_size, self.layer_num = size, page_size, layers
+        self.dtype = self.store_dtype = torch.bfloat16
+        self.device = torch.device("cpu")
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+        if kind == "mha":
+            self.head_num, self.head_dim = 2, 8
+            self.k_buffer = [rand(rows, 2, 8) for _ in range(layers)]
+            self.v_buffer = [rand(rows, 2, 8) for _ in range(layers)]
+            return
+        self.kv_lora_rank, self.qk_rope_head_dim = 32, 16
+        self.kv_buffer = [rand(rows, 1, 48) for _ in range(layers)]
+        if kind == "dsa":
+            self.index_head_dim, self.quant_method = 128, "per_tensor"
+            self.index_k_row_bytes = index_k_row_bytes
+            self.index_k_buffer = [torch.randint(0, 256, (rows, index_k_row_bytes), dtype=torch.uint8, generator=gen)
+                                   for _ in range(layers)]
+
+
+def test_page_calls_take_a_tensor_index_as_storage_backends_pass_it():
+    """``get_data_page(host_indices[i * page_size])``: a 0-d tensor, as SGLang's backends call it."""
+    dev = make_device_pool("mha", 64, 4, torch.bfloat16, 2)
+    fill_random(dev, 1)
+    host = make_host_pool(dev, "page_first", 64)
+    h = host.alloc(8)
+    host.backup_from_device_all_layer(dev, h, torch.arange(8), "direct")
+    page = host.get_data_page(h[4], flat=True)
+    raw = page.view(torch.uint8)     # random bytes: bf16 NaNs compare unequal
+    assert torch.equal(raw, host.get_data_page(int(h[4])).view(torch.uint8))
+    host.set_from_flat_data_page(h[0], page)
+    assert torch.equal(host.get_data_page(int(h[0])).view(torch.uint8), raw)
+    for bad in (torch.tensor(4.0), torch.tensor(True), True, 4.0):
+        with pytest.raises(ValueError, match="integer token index"):
+            host.get_data_page(bad)
+
+
+@pytest.mark.parametrize("kind", ["mha", "dsa"])
+def test_the_last_page_of_an_engine_pool_moves(kind):
+    """Its slots lie past ``size``: they were refused as outside the pool."""
+    ps = 4
+    pool = EnginePool(kind, 32, ps, index_k_row_bytes=132)
+    cls = MHATokenToKVPoolHost if kind == "mha" else DSATokenToKVPoolHost
+    host = cls(pool, 0, 0, ps, "layer_first", host_size_tokens=64)
+    h = host.alloc(ps)
+    last = torch.arange(32, 32 + ps)
+    host.backup_from_device_all_layer(pool, h, last, "direct")
+    bufs = ("k_buffer", "v_buffer") if kind == "mha" else ("kv_buffer", "index_k_buffer")
+    host_of = {"k_buffer": lambda: host.k_buffer, "v_buffer": lambda: host.v_buffer,
+               "kv_buffer": lambda: host.kv_buffer, "index_k_buffer": lambda: host.index_k_buffer}
+    for name in bufs:
+        for layer in range(pool.layer_num):
+            assert torch.equal(host_of[name]()[layer][h], getattr(pool, name)[layer][last]), (name, layer)
+    with pytest.raises(ValueError, match=r"outside the device pool's slots 0\.\.35"):
+        host.backup_from_device_all_layer(pool, h, last + ps, "direct")
+
+
+def test_dsa_host_rows_follow_the_engines_index_k_format():
+    """An engine keeping index-K as 128 bf16 values (256 B rows, not FP8 + scales' 132): the host
+    rows were sized 132 and the first backup failed on a reshape."""
+    ps = 4
+    pool = EnginePool("dsa", 32, ps, index_k_row_bytes=256)
+    host = DSATokenToKVPoolHost(pool, 0, 0, ps, "layer_first", host_size_tokens=32)
+    assert host.index_k_row_bytes == 256 and host.index_k_buffer.shape[-1] == 256
+    assert host.get_size_per_token() == (48 * 2 + 256) * pool.layer_num
+    h, d = host.alloc(2 * ps), torch.arange(ps, 3 * ps)
+    host.backup_from_device_all_layer(pool, h, d, "direct")
+    for layer in range(pool.layer_num):
+        assert torch.equal(host.index_k_buffer[layer][h], pool.index_k_buffer[layer][d])
+    assert len(host.get_data_page(int(h[0])).view(torch.uint8)) == ps * host.get_size_per_token()
+    assert "256 B rows" in host.spec.describe()
+    # The FP8 format's pools keep their L3 keys: the salt names the width only where it is not that.
+    fp8 = KVSpec("dsa", 2, kv_lora_rank=32, qk_rope_head_dim=16, index_head_dim=128)
+    assert b"index_k_bytes" not in fp8.salt("layer_first", ps)
+    assert host.spec.salt("layer_first", ps) != fp8.salt("layer_first", ps)
+
+
+@pytest.mark.parametrize("kind", ["mla", "dsa"])
+def test_ksize_per_token_is_every_byte_of_a_token_for_latent_pools(kind):
+    """Storage backends size a page as get_ksize_per_token() x page_size (the seed's MLA returns
+    get_size_per_token(), which DSA's includes index-K in); kvtier's DSA left index-K out."""
+    dev = make_device_pool(kind, 32, 4, torch.bfloat16, 2)
+    host = make_host_pool(dev, "layer_first", 32)
+    assert host.get_ksize_per_token() == host.get_size_per_token()
+    assert host.get_ksize_per_token() * 4 == host.get_data_page(0).numel() * host.get_data_page(0).element_size()
+
+
+def test_fp8_pools_cast_what_they_are_given_and_refuse_a_wrong_shape_before_writing():
+    """A bf16 value into an FP8 pool was stored as its bf16 bytes reinterpreted (1.0 read back
+    as [-0.0, 1.875, ...]); a full-width MHA row failed in a broadcast."""
+    mla = make_device_pool("mla", 8, 1, torch.float8_e4m3fn, 1, lora=6, rope=2)
+    kv = torch.full((2, 1, 8), 1.5, dtype=torch.bfloat16)
+    mla.set_kv_buffer(0, torch.tensor([1, 3]), kv)
+    got = mla.kv_buffer[0][torch.tensor([1, 3])].view(torch.float8_e4m3fn).float()
+    assert torch.equal(got, torch.full((2, 1, 8), 1.5))
+    mha = MHATokenToKVPool(8, 1, torch.float8_e4m3fn, 2, 8, 1, "cpu")
+    k = torch.full((4, 2, 8), -2.0, dtype=torch.bfloat16)
+    mha.set_kv_buffer(0, torch.arange(4), k, k)
+    assert torch.equal(mha.k_buffer[0][:4].view(torch.float8_e4m3fn).float(), torch.full((4, 2, 8), -2.0))
+    before = mha.k_buffer[0].clone()
+    with pytest.raises(ValueError, match=r"k has shape \(4, 2, 4\); 4 slots of this pool take \(4, 2, 8\)"):
+        mha.set_kv_buffer(0, torch.arange(4, 8), k[..., :4], k[..., :4])
+    assert torch.equal(mha.k_buffer[0], before)
+
+
+def test_numpy_integers_are_integers_and_inf_is_no_size():
+    dev = make_device_pool("mha", 64, 4, torch.bfloat16, 2)
+    host = MHATokenToKVPoolHost(dev, 0, 0, np.int64(4), "layer_first", host_size_tokens=np.int64(64))
+    assert host.size == 64 and type(host.page_size) is int
+    spec = KVSpec("mla", np.int64(2), kv_lora_rank=np.int32(32), qk_rope_head_dim=np.int64(16))
+    assert spec == KVSpec("mla", 2, kv_lora_rank=32, qk_rope_head_dim=16)
+    assert spec.salt("layer_first", 4) == KVSpec("mla", 2, kv_lora_rank=32, qk_rope_head_dim=16).salt("layer_first", 4)
+    for name, kw in (("host_size_tokens", {"host_size_tokens": float("inf")}), ("host_size", {"host_size": float("inf")}),
+                     ("host_to_device_ratio", {"host_to_device_ratio": float("inf")})):
+        args = {"host_to_device_ratio": 0, "host_size": 0, **kw}
+        with pytest.raises(ValueError, match=f"{name} must be a non-negative finite number, got inf"):
+            MLATokenToKVPoolHost(make_device_pool("mla", 32, 4, torch.bfloat16, 2), args["host_to_device_ratio"],
+                                 args["host_size"], 4, "layer_first", host_size_tokens=kw.get("host_size_tokens", 0))
+
+
+@pytest.mark.parametrize("rope", [16.0, True, -1])
+def test_a_rope_dim_that_is_no_count_is_refused(rope):
+    """16.0 was taken (bytes_per_token 192.0, and L3 keys other than for 16); True as 1."""
+    with pytest.raises(ValueError, match=f"qk_rope_head_dim must be an integer >= 0, got {rope!r}"):
+        KVSpec("mla", 2, kv_lora_rank=32, qk_rope_head_dim=rope)
+
+
+def test_index_k_bytes_is_for_dsa_and_a_count():
+    with pytest.raises(ValueError, match="index_k_bytes is for DSA specs only"):
+        KVSpec("mla", 2, kv_lora_rank=32, index_k_bytes=256)
+    with pytest.raises(ValueError, match="index_k_bytes must be an integer >= 0, got -1"):
+        KVSpec("dsa", 2, kv_lora_rank=32, index_head_dim=128, index_k_bytes=-1)
+
+
+def test_the_allocator_refuses_a_bool_count_and_a_0d_index():
+    a = PageAllocator(64, 4)
+    with pytest.raises(AllocatorError, match="need_size must be a non-negative integer, got True"):
+        a.alloc(True)
+    with pytest.raises(AllocatorError, match="num_pages must be a non-negative integer, got True"):
+        a.alloc_pages(True)
+    with pytest.raises(AllocatorError, match=r"indices must be one-dimensional, got shape \(\)"):
+        a.free(torch.tensor(3))
+    with pytest.raises(AllocatorError, match="must be an integer tensor, got dtype torch.complex64"):
+        a.free(torch.tensor([1 + 2j, 3j, 1j, 2j]))
+    assert a.available_size() == 64
