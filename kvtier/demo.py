@@ -17,6 +17,8 @@ from dataclasses import asdict
 
 import click
 
+from .commands import OUTPUT_PATH
+
 ALL_MODES = ("none", "gpu", "tiers")
 
 
@@ -76,6 +78,41 @@ def _warm_up(model, o: dict) -> None:
     Engine(model, cfg).generate([[i % model.config.vocab_size for i in range(n)]], max_new_tokens=2)
 
 
+def _checked(o: dict, modes: tuple[str, ...]):
+    """The model's config (the checkpoint's, where one is given), once every flag has been
+    checked: shapes, workload, device, layout and io backend, and that the weights and pools
+    fit in host memory; a click error names what is wrong, before anything is built."""
+    from .commands import check_engine_flags
+    from .engine.checkpoint import checkpoint_config
+    from .engine.engine import check_weights_fit
+    from .engine.workload import Workload
+    from .memory import check_host_memory
+
+    try:
+        mcfg = _model_config(o)
+        if o["checkpoint"]:
+            mcfg = checkpoint_config(o["checkpoint"], mcfg.dtype)
+        cfgs = [_engine_config(o, m) for m in modes]
+        Workload(clients=o["clients"], rounds=o["rounds"], system_tokens=o["system_tokens"],
+                 user_tokens=o["user_tokens"], output_tokens=o["output_tokens"], vocab_size=mcfg.vocab_size)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.UsageError(str(e)) from None
+    kv = mcfg.kv_spec()
+    check_engine_flags(o["device"], o["layout"] if "tiers" in modes else None, kv.kind,
+                       [c.io_backend for c in cfgs if c.prefix_cache != "none"])
+    try:
+        if o["device"] == "cpu":
+            check_weights_fit(mcfg, copies=2 if o["checkpoint"] else 1)
+            check_host_memory(o["device_tokens"] * kv.bytes_per_token, 0, "the device pool (on the CPU)",
+                              "Lower --device-tokens.")
+        if "tiers" in modes:
+            check_host_memory(o["host_tokens"] * kv.bytes_per_token, None, "the host pool",
+                              "Lower --host-tokens.")
+    except MemoryError as e:
+        raise click.ClickException(str(e)) from None
+    return mcfg
+
+
 def compare_outputs(outputs: dict) -> tuple[bool, str]:
     """Whether every mode generated the same tokens for every (client, round)."""
     modes = list(outputs)
@@ -91,37 +128,37 @@ def compare_outputs(outputs: dict) -> tuple[bool, str]:
 @click.command()
 @click.option("--model", type=click.Choice(["llama", "deepseek"]), default="llama", show_default=True,
               help="llama: GQA + RoPE (MHA pools); deepseek: MLA (MLA pools)")
-@click.option("--hidden", default=192, show_default=True)
-@click.option("--layers", default=3, show_default=True)
-@click.option("--heads", default=4, show_default=True)
-@click.option("--kv-heads", default=2, show_default=True, help="llama only")
-@click.option("--head-dim", default=48, show_default=True, help="llama head dim; deepseek nope/v head dim")
-@click.option("--kv-lora-rank", default=64, show_default=True, help="deepseek only")
-@click.option("--rope-dim", default=16, show_default=True, help="deepseek only: decoupled RoPE dims")
-@click.option("--intermediate", default=384, show_default=True)
-@click.option("--vocab", default=512, show_default=True)
+@click.option("--hidden", type=click.IntRange(min=1), default=192, show_default=True)
+@click.option("--layers", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--kv-heads", type=click.IntRange(min=1), default=2, show_default=True, help="llama only")
+@click.option("--head-dim", type=click.IntRange(min=1), default=48, show_default=True, help="llama head dim; deepseek nope/v head dim")
+@click.option("--kv-lora-rank", type=click.IntRange(min=1), default=64, show_default=True, help="deepseek only")
+@click.option("--rope-dim", type=click.IntRange(min=0), default=16, show_default=True, help="deepseek only: decoupled RoPE dims")
+@click.option("--intermediate", type=click.IntRange(min=1), default=384, show_default=True)
+@click.option("--vocab", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--dtype", default="fp32", show_default=True, help="fp32 on CPU (exact); bf16 on GPU")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), default=None,
               help="local Hugging Face-format directory (config.json + safetensors) instead of random weights")
-@click.option("--clients", default=8, show_default=True)
-@click.option("--rounds", default=10, show_default=True)
-@click.option("--system-tokens", default=384, show_default=True)
-@click.option("--user-tokens", default=128, show_default=True)
-@click.option("--output-tokens", default=32, show_default=True)
-@click.option("--device-tokens", default=4096, show_default=True, help="device pool size (token slots)")
-@click.option("--host-tokens", default=32768, show_default=True, help="host pool size (token slots)")
-@click.option("--page-size", default=16, show_default=True)
+@click.option("--clients", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--system-tokens", type=click.IntRange(min=0), default=384, show_default=True)
+@click.option("--user-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--output-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--device-tokens", type=click.IntRange(min=1), default=4096, show_default=True, help="device pool size (token slots)")
+@click.option("--host-tokens", type=click.IntRange(min=1), default=32768, show_default=True, help="host pool size (token slots)")
+@click.option("--page-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--layout", default="layer_first", show_default=True)
 @click.option("--io-backend", default=None, help="direct | kernel | dma | auto (default: direct on CPU, auto on CUDA)")
 @click.option("--write-policy", type=click.Choice(["write_through", "write_through_selective", "write_back"]),
               default="write_through", show_default=True)
 @click.option("--eviction", type=click.Choice(["lru", "lfu"]), default="lru", show_default=True)
-@click.option("--max-batch-tokens", default=2048, show_default=True)
+@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
 @click.option("--modes", default=",".join(ALL_MODES), show_default=True, help="comma-separated subset of none,gpu,tiers")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write results as JSON")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default="kvtier-demo-ttft.png",
+@click.option("--json", "json_path", type=OUTPUT_PATH, default=None, help="write results as JSON")
+@click.option("--plot", "plot_path", type=OUTPUT_PATH, default="kvtier-demo-ttft.png",
               show_default=True, help="PNG of TTFT by round per mode ('' for none)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def demo(**o) -> None:
@@ -132,13 +169,9 @@ def demo(**o) -> None:
     bad = [m for m in modes if m not in ALL_MODES]
     if bad or not modes:
         raise click.BadParameter(f"unknown mode(s) {bad}; use a subset of {','.join(ALL_MODES)}", param_hint="--modes")
-    try:  # every bad flag fails here, before any work
-        mcfg = _model_config(o)
-        for m in modes:
-            _engine_config(o, m)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    click.echo(f"model: {o['model']} ({mcfg.kv_spec().describe()}), {o['clients']} clients x {o['rounds']} rounds, "
+    mcfg = _checked(o, modes)  # every bad flag fails here, before any work
+    source = f"checkpoint {o['checkpoint']}" if o["checkpoint"] else o["model"]
+    click.echo(f"model: {source} ({mcfg.kv_spec().describe()}), {o['clients']} clients x {o['rounds']} rounds, "
                f"device pool {o['device_tokens']} tokens, host pool {o['host_tokens']} tokens")
     t0 = time.perf_counter()
     summaries, outputs = run_modes(o, modes, progress=not o["no_progress"])

@@ -45,7 +45,8 @@ class KVPool:
         self.layer_num = spec.layer_num
         nbytes = spec.bytes_per_token * size
         if self.device.type == "cpu":
-            check_host_memory(nbytes, 0, f"a {spec.kind.upper()} device pool on the CPU")
+            check_host_memory(nbytes, 0, f"a {spec.kind.upper()} device pool on the CPU",
+                              f"Lower size={size} (the device pool's token slots).")
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             if nbytes > free:

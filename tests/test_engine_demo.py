@@ -46,6 +46,60 @@ def test_demo_rejects_bad_flags_before_running(tmp_path):
     assert res.exit_code == 2 and "multiple of n_kv_heads" in res.output
 
 
+@pytest.mark.parametrize("args, match", [
+    (["--layout", "bogus"], "Invalid value for --layout: host layout 'bogus' is not supported for MHA"),
+    (["--io-backend", "kernel"], "Invalid value for --io-backend: io_backend='kernel' needs a CUDA device pool"),
+    (["--io-backend", "bogus"], "unknown io backend 'bogus'"),
+    (["--device", "bogus"], "'bogus' is no device; use cpu or cuda"),
+    (["--clients", "0"], "'--clients': 0 is not in the range x>=1"),
+    (["--system-tokens", "-1"], "'--system-tokens': -1 is not in the range x>=0"),
+    (["--json", "/nonexistent-dir/x.json"], "'/nonexistent-dir' does not exist"),
+    (["--plot", "/nonexistent-dir/x.png"], "'/nonexistent-dir' does not exist"),
+    (["--host-tokens", str(10**12)], "the host pool needs"),
+    (["--device-tokens", str(10**11)], "Lower --device-tokens."),
+])
+def test_every_bad_demo_flag_fails_before_any_work(args, match):
+    """A review found these ran the first mode in full (or built the model) before a traceback."""
+    res = CliRunner().invoke(main, ["demo", *TINY, *args])
+    assert res.exit_code in (1, 2) and match in res.output, res.output
+    assert "model:" not in res.output and "Traceback" not in res.output and res.exception.__class__ is SystemExit
+
+
+def test_demo_names_the_checkpoints_model_and_checks_it_fits_first(tmp_path, monkeypatch):
+    """With --checkpoint the demo printed the flags' model (llama, 3 layers) and recorded it in its
+    JSON; and the weights-fit check, done for random weights, was skipped for a checkpoint."""
+    import torch
+
+    from kvtier.engine import random_model, save_checkpoint, tiny
+    cfg = tiny("deepseek", hidden_size=64, n_layers=2, n_heads=2, intermediate_size=96, vocab_size=512,
+               kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, dtype=torch.float32)
+    ckpt = save_checkpoint(random_model(cfg, 0), tmp_path / "ckpt")
+    out = tmp_path / "demo.json"
+    small = [a for a in TINY if a not in ("--hidden", "64", "--layers", "2", "--intermediate", "96")]
+    res = CliRunner().invoke(main, ["demo", *small, "--modes", "none,tiers", "--checkpoint", str(ckpt),
+                                    "--json", str(out), "--plot", ""])
+    assert res.exit_code == 0, res.output
+    assert f"model: checkpoint {ckpt} (MLA, 2 layers, latent 32+8, float32)" in res.output
+    assert json.loads(out.read_text())["model"]["kind"] == "deepseek"
+    monkeypatch.setenv("KVTIER_HOST_LIMIT_GB", "0.0001")   # the machine holds less than its weights
+    res = CliRunner().invoke(main, ["demo", *small, "--checkpoint", str(ckpt), "--plot", ""])
+    assert res.exit_code == 1 and "twice while loading" in res.output and "model:" not in res.output, res.output
+
+
+def test_bench_flags_fail_before_any_work(tmp_path):
+    runner = CliRunner()
+    for args, match in ((["bench", "ttft", "--model", "tiny", "--page-size", "0"], "'--page-size': 0 is not in"),
+                        (["bench", "ttft", "--model", "tiny", "--repeats", "0"], "'--repeats': 0 is not in"),
+                        (["bench", "ttft", "--model", "tiny", "--io-backends", "kernel"], "--io-backends"),
+                        (["bench", "transfer", "--page-size", "0"], "'--page-size': 0 is not in"),
+                        (["bench", "transfer", "--backend", "foo"], "unknown backend 'foo'"),
+                        (["bench", "alloc", "--json", str(tmp_path)], "is a directory"),
+                        (["bench", "cache", "--json", "/nonexistent-dir/c.json"], "does not exist"),
+                        (["info", "--json", "/nonexistent-dir/i.json"], "does not exist")):
+        res = runner.invoke(main, args)
+        assert res.exit_code == 2 and match in res.output, (args, res.output)
+
+
 def test_bench_ttft_runs_on_cpu(tmp_path):
     out = tmp_path / "ttft.json"
     res = CliRunner().invoke(main, ["bench", "ttft", "--model", "tiny", "--contexts", "128,256", "--new-tokens", "16",

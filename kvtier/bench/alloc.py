@@ -15,6 +15,7 @@ import click
 import torch
 
 from ..allocator import PageAllocator
+from ..commands import OUTPUT_PATH
 
 
 class SeedFreeList:
@@ -77,7 +78,7 @@ def run(size: int, page_sizes: list[int], iters: int, repeats: int, echo=click.e
               show_default=True, help="Page sizes to measure (repeatable).")
 @click.option("--iters", type=click.IntRange(min=10), default=2000, show_default=True, help="alloc+free pairs per sample.")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Samples (median taken).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write rows as JSON.")
+@click.option("--json", "json_path", type=OUTPUT_PATH, default=None, help="Write rows as JSON.")
 def alloc(size: int, page_sizes, iters: int, repeats: int, json_path) -> None:
     """One alloc+free pair: kvtier's PageAllocator vs the seed's torch.cat free list."""
     click.echo(f"{'pool':>10} {'page':>5} {'pages':>6} {'kvtier us':>12} {'seed us':>12} {'ratio':>10}")

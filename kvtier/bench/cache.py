@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ..cache import CacheConfig, HiCache
+from ..commands import OUTPUT_PATH
 from ..device_pool import MHATokenToKVPool
 from .cache_reference import ReferenceRadixTree
 
@@ -184,7 +185,7 @@ def verdict(rows: list[Row], page_size: int, budget_us: float) -> None:
 @click.option("--repeats", default=50, show_default=True, type=int, help="Timed matches per row (median).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--budget-us", default=200.0, show_default=True, help="Acceptance: 32k-token match time at the largest size.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the rows here.")
+@click.option("--json", "json_path", type=OUTPUT_PATH, help="Write the rows here.")
 def cache(sizes, prompts, page_size, repeats, seed, budget_us, json_path):
     """Prefix-cache match and insert time as the tree grows, vs a token-by-token radix tree."""
     try:

@@ -23,12 +23,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..commands import OUTPUT_PATH
 from ..device_pool import pool_from_spec
 from ..host_pool import host_pool_for
 from ..layouts import SUPPORTED
 from ..memory import LIMIT_ENV, RESERVE_ENV, check_host_memory, huge_pages_note
 from ..spec import preset
 from ..transfer import TransferEngine
+from ..transfer.base import IO_BACKENDS
 from ..transfer.online import DUPLEX, score
 
 SHAPES = {"mha": "llama-3-8b", "mla": "deepseek-v3", "dsa": "glm-dsa"}
@@ -468,7 +470,8 @@ def table(rows: list[Row]) -> str:
 @click.option("--backend", "backends", multiple=True, default=("direct", "kernel", "dma", "auto"),
               show_default=True, help="backends to time (CUDA); only direct runs on the CPU")
 @click.option("--kind", "kinds", multiple=True, default=tuple(SHAPES), show_default=True)
-@click.option("--page-size", "page_sizes", multiple=True, type=int, default=PAGE_SIZES, show_default=True)
+@click.option("--page-size", "page_sizes", multiple=True, type=click.IntRange(min=1), default=PAGE_SIZES,
+              show_default=True)
 @click.option("--layout", "layouts", multiple=True,
               help="host layouts to time (default: every one each kind supports)")
 @click.option("--slots", multiple=True, type=click.Choice(SLOT_KINDS), default=HOST_SLOTS, show_default=True,
@@ -478,12 +481,16 @@ def table(rows: list[Row]) -> str:
               help="host pool size, in transfers, for --slots spread")
 @click.option("--quick", is_flag=True, help="tiny shapes (4 layers, 256 tokens): a smoke test for CI")
 @click.option("--verbose", is_flag=True, help="print every row as it is measured")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the rows as JSON here")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+@click.option("--json", "json_path", type=OUTPUT_PATH, help="write the rows as JSON here")
+@click.option("--plot", "plot_path", type=OUTPUT_PATH,
               help="draw every row's ratio against the targets here (PNG)")
 def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, spread, quick, verbose, json_path,
              plot_path):
     """Transfer bandwidth of every backend, kind, layout and page size, as a ratio to the limit."""
+    for b in backends:
+        if parse_backend(b)[0] not in IO_BACKENDS:
+            raise click.BadParameter(f"unknown backend {b!r}; use one of {list(IO_BACKENDS)} (kernel@N: N blocks)",
+                                     param_hint="--backend")
     for k in kinds:
         if k not in SHAPES:
             raise click.BadParameter(f"unknown kind {k!r}; use one of {list(SHAPES)}", param_hint="--kind")

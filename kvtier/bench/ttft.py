@@ -27,6 +27,7 @@ import time
 import click
 import torch
 
+from ..commands import OUTPUT_PATH, check_engine_flags
 from ..engine import Engine, EngineConfig, Sequence, llama3_8b, tiny
 from ..engine.config import INPUT_COPIES
 from ..engine.engine import make_model
@@ -212,18 +213,19 @@ def table(doc: dict) -> str:
 @click.option("--contexts", default=None,
               help="comma-separated prefix lengths [default: 16384,32768 for llama-3-8b, 1024,2048 for tiny: "
                    "its CPU recompute holds float64 scores, minutes at 16k]")
-@click.option("--new-tokens", default=128, show_default=True, help="fresh tokens after the prefix")
-@click.option("--repeats", default=3, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="fresh tokens after the prefix")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--device", default=None, help="cuda or cpu (default: cuda if available)")
 @click.option("--io-backends", default="default", show_default=True,
               help="comma-separated: default (the transfer engine's choice), direct, kernel, dma, auto")
 @click.option("--layout", default="layer_first", show_default=True)
-@click.option("--page-size", default=64, show_default=True)
+@click.option("--page-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--inputs", type=click.Choice(INPUT_COPIES), default="sms", show_default=True,
               help="how the engine copies each step's inputs to the GPU (EngineConfig.inputs): sms, or "
                    "pinned / pageable copy-engine copies, to see what an engine that copies them so gets")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--json", "json_path", type=OUTPUT_PATH, default=None)
 def ttft(model_name, contexts, new_tokens, repeats, device, io_backends, layout, page_size, seed, inputs, json_path):
     """TTFT of a host-tier prefix hit against recomputing the prefix (and a device hit)."""
     contexts = DEFAULT_CONTEXTS[model_name] if contexts is None else contexts
@@ -238,6 +240,7 @@ def ttft(model_name, contexts, new_tokens, repeats, device, io_backends, layout,
                                  param_hint="--contexts")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     backends = [None if b.strip() == "default" else b.strip() for b in io_backends.split(",") if b.strip()]
+    check_engine_flags(device, layout, MODELS[model_name]().kv_spec().kind, backends, "--io-backends")
     try:
         doc = run(model_name, lengths, new_tokens, repeats, device, backends, layout, page_size, seed, inputs=inputs)
     except MemoryError as e:

@@ -1,0 +1,65 @@
+"""What the CLI's commands share."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+
+class OutputPath(click.ParamType):
+    """A file the command will write when it is done: refused up front, before any work, if it
+    is a directory or its directory does not exist or cannot be written ('' for none)."""
+
+    name = "path"
+
+    def convert(self, value, param, ctx):
+        if value in (None, ""):
+            return value
+        path = os.fspath(value)
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            self.fail(f"{path!r} is a directory; name a file in it", param, ctx)
+        if not os.path.isdir(parent):
+            self.fail(f"{parent!r} does not exist; create it first, or name a file in an existing directory",
+                      param, ctx)
+        if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+            self.fail(f"{path!r} cannot be written here; name a file in a writable directory", param, ctx)
+        return path
+
+
+OUTPUT_PATH = OutputPath()
+
+
+def check_engine_flags(device: str, layout: str | None, kind: str | None, io_backends=(),
+                       backend_flag: str = "--io-backend") -> None:
+    """``--device``, ``--layout`` (for a model whose KV is of ``kind``) and ``--io-backend``
+    values, checked before any work: click errors naming the flag and the choices."""
+    import torch
+
+    from ..layouts import get_layout
+    from ..transfer.base import IO_BACKENDS, get_backend
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise click.BadParameter(f"{device!r} is no device; use cpu or cuda", param_hint="--device") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise click.BadParameter(f"{device!r}: kvtier runs on cpu or cuda", param_hint="--device")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter(f"{device!r} but CUDA is not available here; use cpu", param_hint="--device")
+    if layout is not None and kind is not None:
+        try:
+            get_layout(layout, kind)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--layout") from None
+    for b in io_backends:
+        if b is None:
+            continue
+        if b not in IO_BACKENDS:
+            raise click.BadParameter(f"unknown io backend {b!r}; use one of {list(IO_BACKENDS)}",
+                                     param_hint=backend_flag)
+        try:
+            get_backend(b, dev)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint=backend_flag) from None

@@ -11,6 +11,7 @@ import torch
 from ..layouts import LAYOUTS, SUPPORTED
 from ..memory import GB, LIMIT_ENV, host_memory, huge_pages_default, huge_pages_note, thp_mode
 from ..spec import KVSpec
+from . import OUTPUT_PATH
 from .shape import shape_options
 
 
@@ -84,7 +85,7 @@ def roundtrip(spec: KVSpec, page_size: int, tokens: int, reserve: int | None) ->
 @click.option("--roundtrip/--no-roundtrip", default=False, show_default=True,
               help="Also run a CPU round trip device -> host -> device and check every byte.")
 @click.option("--roundtrip-tokens", type=click.IntRange(min=1), default=4096, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the numbers as JSON.")
+@click.option("--json", "json_path", type=OUTPUT_PATH, default=None, help="Write the numbers as JSON.")
 def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_tokens: int, json_path) -> None:
     """Bytes per token per tier and layout, and how many tokens the host tier holds here."""
     reserve = None if reserve_gb is None else int(reserve_gb * GB)

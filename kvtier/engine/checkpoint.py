@@ -76,6 +76,19 @@ def random_model(cfg: ModelConfig, seed: int = 0, device="cpu", **build) -> Caus
     return build_model(cfg, device, **build).init_random(seed)
 
 
+def checkpoint_config(path: str | Path, dtype=None) -> ModelConfig:
+    """The model config of a local Hugging Face-format directory, from its ``config.json`` alone
+    (nothing else is read), after checking that it has ``*.safetensors`` files too."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} not found: a checkpoint is a local directory with "
+                                "config.json and *.safetensors (nothing is downloaded)")
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return config_from_hf(json.loads(cfg_file.read_text()), dtype)
+
+
 def load_checkpoint(path: str | Path, device="cpu", dtype=None, **build) -> CausalLM:
     """The model in a local Hugging Face-format directory (``config.json`` + ``*.safetensors``).
 
@@ -84,14 +97,8 @@ def load_checkpoint(path: str | Path, device="cpu", dtype=None, **build) -> Caus
     first missing, unexpected or misshapen tensors).
     """
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{cfg_file} not found: a checkpoint is a local directory with "
-                                "config.json and *.safetensors (nothing is downloaded)")
+    cfg = checkpoint_config(path, dtype)
     files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    cfg = config_from_hf(json.loads(cfg_file.read_text()), dtype)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))

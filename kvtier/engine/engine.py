@@ -17,7 +17,7 @@ import torch
 from ..device_pool import pool_from_spec
 from ..host_pool import host_pool_for
 from ..memory import check_host_memory
-from .checkpoint import load_checkpoint, random_model
+from .checkpoint import checkpoint_config, load_checkpoint, random_model
 from .config import EngineConfig, ModelConfig
 from .kv_manager import NoPrefixCache, PrefixCache
 from .model_runner import ModelRunner
@@ -52,6 +52,8 @@ def make_model(model_cfg: ModelConfig, config: EngineConfig, seed: int = 0,
     exact = config.exact and model_cfg.dtype == torch.float32 and dev.type == "cpu"
     acc = torch.float64 if exact else None
     if checkpoint:
+        if dev.type == "cpu":  # its tensors and the model's, both held while it loads
+            check_weights_fit(checkpoint_config(checkpoint, model_cfg.dtype), copies=2)
         return load_checkpoint(checkpoint, dev, model_cfg.dtype, attention=attention, acc=acc)
     if dev.type == "cpu":
         check_weights_fit(model_cfg)
@@ -63,11 +65,12 @@ def weight_bytes(model_cfg: ModelConfig) -> int:
     return model_cfg.n_weights() * model_cfg.dtype.itemsize
 
 
-def check_weights_fit(model_cfg: ModelConfig) -> None:
-    """Raise MemoryError, before anything is allocated, if a model of ``model_cfg`` cannot be held
-    in host memory (past that, the kernel's OOM killer ends the process with no message)."""
-    check_host_memory(weight_bytes(model_cfg), 0,
-                      f"this model (its {str(model_cfg.dtype).removeprefix('torch.')} weights)",
+def check_weights_fit(model_cfg: ModelConfig, copies: int = 1) -> None:
+    """Raise MemoryError, before anything is allocated, if ``copies`` of a model of ``model_cfg``'s
+    weights cannot be held in host memory (past that, the kernel's OOM killer ends the process
+    with no message). A checkpoint takes two while it loads: its tensors and the model's."""
+    what = f"its {str(model_cfg.dtype).removeprefix('torch.')} weights" + (", twice while loading" if copies > 1 else "")
+    check_host_memory(copies * weight_bytes(model_cfg), 0, f"this model ({what})",
                       "Run it on a GPU (device='cuda', --device cuda) or take a smaller model "
                       "(kvtier bench ttft --model tiny).")
 
