@@ -121,6 +121,12 @@ class PageAllocator:
         """Free token slots (a multiple of ``page_size``)."""
         return self._free_pages * self.page_size
 
+    def free_token_slots(self) -> torch.Tensor:
+        """Every free token slot, ascending (a copy: O(pages); for inspection, not the hot path)."""
+        with self._lock:
+            pages = np.flatnonzero(~self._allocated)
+        return torch.from_numpy(pages_to_tokens(pages, self.page_size))
+
     def available_pages(self) -> int:
         return self._free_pages
 

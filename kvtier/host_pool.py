@@ -354,6 +354,12 @@ class HostKVCache:
     def available_size(self) -> int:
         return self.allocator.available_size()
 
+    @property
+    def free_slots(self) -> torch.Tensor:
+        """The seed's list of free token slots, for tools that read it (a fresh tensor each time:
+        the allocator keeps pages, not this list)."""
+        return self.allocator.free_token_slots()
+
     def clear(self) -> None:
         """Mark every slot free (the bytes are left as they are)."""
         self.allocator.clear()

@@ -150,10 +150,15 @@ SUPPORTED = {
 }
 
 
+class UnsupportedLayoutError(ValueError, NotImplementedError):
+    """A host layout a kind does not support: a ValueError, and a NotImplementedError as the
+    seed raised for DSA's page_first (callers that catch that to fall back still do)."""
+
+
 def get_layout(name: str, kind: str) -> HostLayout:
     allowed = SUPPORTED[kind]
     if name not in allowed:
-        raise ValueError(
+        raise UnsupportedLayoutError(
             f"host layout {name!r} is not supported for {kind.upper()} pools; "
             f"use one of {list(allowed)}"
         )

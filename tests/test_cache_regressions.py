@@ -266,3 +266,11 @@ def test_admit_refused_for_room_loads_nothing():
     assert cache.tree.locked_nodes == 0
     cache.free_device(other)
     assert PrefixCache(cache).admit(seq)
+
+
+@pytest.mark.parametrize("bad", [True, float("inf"), float("nan"), -1.0, "0.1"])
+def test_advise_refuses_a_prefill_time_that_is_no_time(bad):
+    cache, dev, host, engine = make_cache()
+    m = cache.match_prefix(list(range(8)))
+    with pytest.raises(ValueError, match="prefill_seconds_per_token must be a finite number >= 0"):
+        cache.advise(m, bad)

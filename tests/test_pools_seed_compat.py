@@ -171,3 +171,23 @@ def test_the_allocator_refuses_a_bool_count_and_a_0d_index():
     with pytest.raises(AllocatorError, match="must be an integer tensor, got dtype torch.complex64"):
         a.free(torch.tensor([1 + 2j, 3j, 1j, 2j]))
     assert a.available_size() == 64
+
+
+def test_free_slots_lists_the_free_token_slots_as_the_seed_did():
+    dev = make_device_pool("mla", 64, 4, torch.bfloat16, 2)
+    host = make_host_pool(dev, "layer_first", 64)
+    assert torch.equal(host.free_slots, torch.arange(64))
+    h = host.alloc(8)
+    assert torch.equal(host.free_slots, torch.arange(8, 64)) and len(host.free_slots) == host.available_size()
+    host.free(h)
+    assert len(host.free_slots) == 64
+
+
+def test_an_unsupported_layout_is_also_the_seeds_not_implemented_error():
+    """The seed raised NotImplementedError for DSA's page_first; a caller catching it to fall back
+    to layer_first still does."""
+    dev = make_device_pool("dsa", 32, 4, torch.bfloat16, 2)
+    with pytest.raises(NotImplementedError, match="not supported for DSA"):
+        make_host_pool(dev, "page_first", 32)
+    with pytest.raises(ValueError, match="not supported for DSA"):
+        make_host_pool(dev, "page_first", 32)

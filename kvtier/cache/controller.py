@@ -20,7 +20,9 @@ A request's life::
 
 from __future__ import annotations
 
+import math
 import threading
+
 import numpy as np
 import torch
 
@@ -268,8 +270,9 @@ class HiCache:
 
     def advise(self, match: MatchResult, prefill_seconds_per_token: float) -> Advice:
         """Load the match's host part, or recompute it? From the measured load bandwidth."""
-        if not (isinstance(prefill_seconds_per_token, (int, float)) and prefill_seconds_per_token >= 0):
-            raise ValueError(f"prefill_seconds_per_token must be a number >= 0, got {prefill_seconds_per_token!r}")
+        v = prefill_seconds_per_token
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"prefill_seconds_per_token must be a finite number >= 0, got {v!r}")
         with self._lock:
             a = advise(match.host_len, self.tiers.token_bytes, self.tiers.meters[LOAD],
                        float(prefill_seconds_per_token), self.config.advisor_margin)
@@ -319,15 +322,17 @@ class HiCache:
 
     def device_free_tokens(self) -> int:
         """Slots alloc_device can hand out: free ones plus unlocked cached ones it may evict."""
-        t = self.tree
-        return (self.tiers.device_alloc.available_pages() + t.device_pages - t.device_locked_pages) * self.page_size
+        with self._lock:  # one consistent reading of counters another thread may be changing
+            t = self.tree
+            return (self.tiers.device_alloc.available_pages() + t.device_pages - t.device_locked_pages) * self.page_size
 
     def host_free_tokens(self) -> int:
         """Host slots free or held by unlocked cached pages (0 without a host pool)."""
         if self.host_pool is None:
             return 0
-        t = self.tree
-        return (self.tiers.host_alloc.available_pages() + t.host_pages - t.host_locked_pages) * self.page_size
+        with self._lock:
+            t = self.tree
+            return (self.tiers.host_alloc.available_pages() + t.host_pages - t.host_locked_pages) * self.page_size
 
     def page_hashes(self, token_ids, namespace: str = "default") -> list[bytes]:
         """Chained page hashes of every whole page (the L3 keys); cached pages reuse the tree's."""
