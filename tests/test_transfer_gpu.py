@@ -1121,3 +1121,33 @@ def test_auto_per_layer_loads_leave_no_transfer_open():
     for k, st in dev.stacks.items():
         assert torch.equal(_b(st[:, d.cuda()]), _b(st[:, ref.cuda()])), k
     host.close()
+
+
+def test_a_transfer_that_fails_part_way_returns_only_once_what_it_queued_has_run():
+    """A load whose third layer fails to queue, a backup (queued inline) that fails after its
+    copies: the engine raised at once, with copies still queued into the slots, and a cache
+    gives those slots back on an error (device pages of a load, host pages of a backup)."""
+    from kvtier.transfer.kernel import KernelBackend
+
+    class FailsPartWay(KernelBackend):
+        def prepare(self, parts, host_idx, dev_idx, to_host, *args, **kwargs):
+            inner = super().prepare(parts, host_idx, dev_idx, to_host, *args, **kwargs)
+
+            def run(layer):
+                inner(layer)
+                if layer is None or layer == 2:
+                    raise RuntimeError("queueing failed part way")
+            return run
+
+    spec = KVSpec("mha", 8, torch.bfloat16, head_num=8, head_dim=128)  # 32 KiB a token
+    tokens = 16384                                                       # 512 MiB each way
+    dev, host = _pools(spec, 16, "layer_first", tokens=tokens)
+    eng = TransferEngine(host, FailsPartWay(), background_backups=False)
+    h, d = torch.arange(tokens), torch.arange(tokens)
+    with pytest.raises(RuntimeError, match="part way"):
+        eng.load(h, d)
+    assert eng.load_stream.query()
+    with pytest.raises(RuntimeError, match="part way"):
+        eng.backup(h, d)
+    assert eng.backup_stream.query()
+    host.close()

@@ -338,7 +338,11 @@ class TransferEngine:
                         queued = self._last_queued = self._started_backlog().add(
                             lambda: _queue_backup(stream, run, event))
                 else:
-                    _queue_backup(stream, run, event)
+                    try:
+                        _queue_backup(stream, run, event)
+                    except BaseException:
+                        event.synchronize()  # what was queued has run: the caller may free the slots
+                        raise
                 handle = TransferHandle(nbytes, event, keep=(h, d, run), queued=queued,
                                         pump=self._backlog.pump if self._backlog is not None else None)
             else:
@@ -346,14 +350,20 @@ class TransferEngine:
                 # between its chunks: it held the GIL often enough to slow a load's
                 # preparation from 2-3 ms to 7.5 ms (H200 run 22, probe_host_timeline).
                 events = []
-                with self._load_first():
-                    run = self._runner(parts, h, d, to_host, h_np, d_np)
-                    run(0)
-                for layer in range(self.layer_num):
-                    if layer:
-                        run(layer)
-                    events.append(torch.cuda.Event())
-                    events[-1].record(stream)
+                try:
+                    with self._load_first():
+                        run = self._runner(parts, h, d, to_host, h_np, d_np)
+                        run(0)
+                    for layer in range(self.layer_num):
+                        if layer:
+                            run(layer)
+                        events.append(torch.cuda.Event())
+                        events[-1].record(stream)
+                except BaseException:
+                    # Some layers' copies may be queued: once they have run, the caller may
+                    # free or reuse the slots (a cache gives the device pages back at once).
+                    stream.synchronize()
+                    raise
                 handle = LayerLoad(self.layer_num, nbytes, events, keep=(h, d, run))
         self._inflight.append(_InFlight(handle, h_np, d_np, to_host))
         return handle
