@@ -35,7 +35,19 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
-@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+class MainGroup(LazyGroup):
+    """Reports a bad ``KVTIER_*`` environment variable as a usage error, not a traceback."""
+
+    def invoke(self, ctx):
+        from .memory import EnvSettingError
+
+        try:
+            return super().invoke(ctx)
+        except EnvSettingError as e:
+            raise click.UsageError(f"{e} (an environment variable: fix or unset it)") from None
+
+
+@click.group(cls=MainGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvtier")
 def main() -> None:
     """kvtier: a tiered KV cache for LLM inference (GPU -> host -> storage)."""

@@ -86,7 +86,7 @@ def _checked(o: dict, modes: tuple[str, ...]):
     from .engine.checkpoint import checkpoint_config
     from .engine.engine import check_weights_fit
     from .engine.workload import Workload
-    from .memory import check_host_memory
+    from .memory import check_host_memory, resolve_huge_pages
 
     try:
         mcfg = _model_config(o)
@@ -106,6 +106,7 @@ def _checked(o: dict, modes: tuple[str, ...]):
             check_host_memory(o["device_tokens"] * kv.bytes_per_token, 0, "the device pool (on the CPU)",
                               "Lower --device-tokens.")
         if "tiers" in modes:
+            resolve_huge_pages(None)  # KVTIER_HOST_HUGE_PAGES, read now rather than at the last mode
             check_host_memory(o["host_tokens"] * kv.bytes_per_token, None, "the host pool",
                               "Lower --host-tokens.")
     except MemoryError as e:

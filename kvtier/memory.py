@@ -40,6 +40,11 @@ class HostMemory:
     limit: int | None = None  # KVTIER_HOST_LIMIT_GB, bytes, where set
 
 
+class EnvSettingError(ValueError):
+    """A ``KVTIER_*`` environment variable holds a value kvtier cannot use (the CLI reports it
+    as a usage error, naming the variable)."""
+
+
 def _env_gb(name: str, positive: bool) -> float | None:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
@@ -47,9 +52,9 @@ def _env_gb(name: str, positive: bool) -> float | None:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of GB") from None
+        raise EnvSettingError(f"{name}={raw!r} is not a number of GB") from None
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name}={raw!r} must be {'> 0' if positive else '>= 0'} (GB)")
+        raise EnvSettingError(f"{name}={raw!r} must be {'> 0' if positive else '>= 0'} (GB)")
     return value
 
 
@@ -161,10 +166,10 @@ def huge_pages_default() -> bool:
         return False
     if raw == "1":
         if not HUGE_PAGES_SUPPORTED:
-            raise ValueError(f"{HUGE_PAGES_ENV}=1 but this platform cannot ask for huge pages (no MADV_HUGEPAGE); "
+            raise EnvSettingError(f"{HUGE_PAGES_ENV}=1 but this platform cannot ask for huge pages (no MADV_HUGEPAGE); "
                              "set it to 0")
         return True
-    raise ValueError(f"{HUGE_PAGES_ENV}={raw!r} must be 1 (ask for huge pages) or 0 (do not)")
+    raise EnvSettingError(f"{HUGE_PAGES_ENV}={raw!r} must be 1 (ask for huge pages) or 0 (do not)")
 
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")

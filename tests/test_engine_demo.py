@@ -168,3 +168,24 @@ def test_engine_inputs_knob_is_checked_and_recorded(tmp_path):
     assert doc["inputs"] == "pageable" and doc["rows"][0]["first_tokens_equal"] == 1
     res = CliRunner().invoke(main, ["bench", "ttft", "--model", "tiny", "--inputs", "gpu"])
     assert res.exit_code == 2 and "gpu" in res.output
+
+
+@pytest.mark.parametrize("env, value", [("KVTIER_HOST_RESERVE_GB", "abc"), ("KVTIER_HOST_LIMIT_GB", "-1"),
+                                        ("KVTIER_HOST_HUGE_PAGES", "x")])
+def test_a_bad_environment_variable_is_a_usage_error_named_before_any_work(monkeypatch, env, value):
+    monkeypatch.setenv(env, value)
+    for args in (["info"], ["demo", *TINY]):
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 2 and f"{env}={value!r}" in res.output, (args, res.output)
+        assert "model:" not in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--kind", "mha", "--layers", "2"], "a MHA model with no preset needs --heads and --head-dim"),
+    (["-m", "deepseek-v3", "--heads", "4"], "--heads does not apply to a MLA model"),
+    (["--kind", "mla", "--layers", "2", "--heads", "2", "--head-dim", "4"], "--heads, --head-dim do not apply"),
+    (["-m", "llama-3-8b", "--index-head-dim", "128"], "--index-head-dim does not apply to a MHA model"),
+])
+def test_shape_flags_that_do_not_fit_the_kind_are_named(args, match):
+    res = CliRunner().invoke(main, ["info", *args])
+    assert res.exit_code == 2 and match in res.output, res.output

@@ -9,6 +9,11 @@ import click
 from ..spec import KINDS, PRESETS, KVSpec, parse_dtype, preset
 
 
+# The kinds each shape flag describes.
+FLAG_KINDS = {"--heads": ("mha",), "--head-dim": ("mha",), "--kv-lora-rank": ("mla", "dsa"),
+              "--rope-dim": ("mla", "dsa"), "--index-head-dim": ("dsa",)}
+
+
 def shape_options(func):
     """Add ``--model`` (a preset) and flags that override or replace it."""
 
@@ -41,6 +46,17 @@ def shape_options(func):
             fields["index_head_dim"] = 128
         if fields["layer_num"] is None:
             raise click.BadParameter("give --layers (or a --model preset)", param_hint="--layers")
+        k = fields["kind"]
+        given = {"--heads": heads, "--head-dim": head_dim, "--kv-lora-rank": kv_lora_rank, "--rope-dim": rope_dim,
+                 "--index-head-dim": index_head_dim}
+        wrong = [f for f, v in given.items() if v is not None and k not in FLAG_KINDS[f]]
+        if wrong:
+            raise click.UsageError(f"{', '.join(wrong)} do{'es' if len(wrong) == 1 else ''} not apply to a "
+                                   f"{k.upper()} model; leave {'it' if len(wrong) == 1 else 'them'} out")
+        missing = [f for f, name in (("--heads", "head_num"), ("--head-dim", "head_dim"), ("--kv-lora-rank", "kv_lora_rank"))
+                   if k in FLAG_KINDS[f] and not fields[name]]
+        if missing:
+            raise click.UsageError(f"a {k.upper()} model with no preset needs {' and '.join(missing)}")
         try:
             spec = KVSpec(name=model or "custom", **fields)
         except ValueError as e:
