@@ -256,11 +256,17 @@ class AutoBackend(Backend):
             choice = self.chooser.pick_by_pairs(key, ["kernel", throttled])
             if choice == throttled:
                 block_quota = self.shared_backup_blocks
-        self.picks[("backup" if to_host else "load", choice)] += 1
         # DMA plans are made only for DMA (chunk by chunk as the chunks are queued).
+        plans = None
         if choice == "dma":
             s_np, s_runs, order = for_dma()
             plans = self.dma.plan_parts(parts, s_np, s_runs, order, to_host, whole, dev_np)
+            if all(p is None for p in plans):
+                # This transfer's runs are too short for copies (its shape key's were not): it goes
+                # by the kernel, and its sample is the kernel's, not filed as DMA's.
+                choice, plans = "kernel", None
+        self.picks[("backup" if to_host else "load", choice)] += 1
+        if plans is not None:
             inner = self.dma.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota, lazy_dev=not to_host,
                                         kernel_np=(host_np, numpy_if_host(dev_idx, dev_np)), to_host=to_host)
         else:
