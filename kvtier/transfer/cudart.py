@@ -52,7 +52,12 @@ def _rt() -> _Runtime:
     import torch
 
     torch.cuda.init()
-    for name, major in (("libcudart.so.13", 13), ("libcudart.so.12", 12), ("libcudart.so", 0)):
+    # The runtime torch was built against first: a name dlopen has not loaded yet opens a second,
+    # separate runtime (a CUDA 13 toolkit on the path beside a cu12 torch).
+    built = int((torch.version.cuda or "0").split(".")[0])
+    names = [("libcudart.so.13", 13), ("libcudart.so.12", 12)]
+    names.sort(key=lambda nm: nm[1] != built)
+    for name, major in names + [("libcudart.so", 0)]:
         try:
             return _Runtime(ctypes.CDLL(name), major)
         except OSError:
@@ -66,17 +71,22 @@ def memcpy2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: i
     """Queue ``height`` rows of ``width`` bytes on ``stream`` (a raw cudaStream_t)."""
     err = _rt().lib.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, _DEFAULT_KIND, stream)
     if err:
-        raise RuntimeError(
-            f"cudaMemcpy2DAsync failed with error {err} (width {width}, height {height}, "
-            f"pitches {dpitch}/{spitch})"
-        )
+        _failed(err, f"cudaMemcpy2DAsync failed with error {err} (width {width}, height {height}, "
+                     f"pitches {dpitch}/{spitch})")
 
 
 def memcpy1d(dst: int, src: int, nbytes: int, stream: int) -> None:
     """Queue one 1-D copy of ``nbytes`` on ``stream`` (a raw cudaStream_t)."""
     err = _rt().lib.cudaMemcpyAsync(dst, src, nbytes, _DEFAULT_KIND, stream)
     if err:
-        raise RuntimeError(f"cudaMemcpyAsync failed with error {err} ({nbytes} bytes)")
+        _failed(err, f"cudaMemcpyAsync failed with error {err} ({nbytes} bytes)")
+
+
+def _failed(err: int, message: str) -> None:
+    """Raise ``message`` for a runtime call that returned ``err``, after clearing the thread's last
+    error: left set, torch reports it at its next CUDA call, whatever that call is."""
+    _rt().lib.cudaGetLastError()
+    raise RuntimeError(message)
 
 
 def has_batch() -> bool:
@@ -107,6 +117,5 @@ def memcpy_batch(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: 
         args.append(ctypes.addressof(fail))
     err = rt.batch(*args, stream)
     if err:
-        rt.lib.cudaGetLastError()  # clear it, or torch reports it at its next CUDA call
-        raise RuntimeError(f"cudaMemcpyBatchAsync failed with error {err} ({n} copies, "
-                           f"sizes {int(z.min())}..{int(z.max())} bytes)")
+        _failed(err, f"cudaMemcpyBatchAsync failed with error {err} ({n} copies, "
+                     f"sizes {int(z.min())}..{int(z.max())} bytes)")

@@ -361,12 +361,13 @@ class DMABackend(Backend):
         device = part.device_layers[0].device
         # Every layer scatters into the same scratch rows: the bytes are thrown away, and
         # the trial needs 1/layers of the payload in device memory, not all of it.
-        scratch = torch.empty((n, pl.item_bytes), dtype=torch.uint8, device=device)
+        stream = streams.fresh(device, 0, (torch.cuda.current_stream(device),))
+        with torch.cuda.stream(stream):  # made on the stream that reads them: no order to miss
+            scratch = torch.empty((n, pl.item_bytes), dtype=torch.uint8, device=device)
+            d = torch.arange(n, dtype=torch.int64, device=device)
         trial_part = TransferPart(part.name, part.host_raw, pl, (scratch,) * layers)
         trial = DMABackend(replace(self.config, load_group=group, kernel_below=0), self.fallback)
         h = torch.from_numpy(np.ascontiguousarray(host_np[:n]))
-        d = torch.arange(n, dtype=torch.int64, device=device)
-        stream = streams.fresh(device, 0, (torch.cuda.current_stream(device),))
 
         def load():
             run = trial.prepare([trial_part], h, d, False)
@@ -589,17 +590,24 @@ class DMABackend(Backend):
             # first gather after them ran with the copy engine idle (0.28 ms, H200 run 54).
             if (to_host and first == 0) or (not to_host and join):
                 ring.side.wait_stream(cur)
-            if to_host:
-                d.record_stream(ring.side)
-                # Only the gathers use the current stream (every copy and event names its
-                # stream): entering the side stream once, not per chunk, saves the host
-                # ~25 us a chunk (H200 profile, bench/results/probe_host_profile_h200_run19*).
-                with torch.cuda.stream(ring.side):
-                    self._backup_chunks(ring, cur, part, p, ptrs, d, host_base,
-                                        range(first, p.n_chunks if stop is None else stop))
-            else:
-                self._load_chunks(ring, cur, part, p, ptrs, d_of, host_base, layer, n_layers,
-                                  self.config.load_drain if drain is None else drain)
+            try:
+                if to_host:
+                    d.record_stream(ring.side)
+                    # Only the gathers use the current stream (every copy and event names its
+                    # stream): entering the side stream once, not per chunk, saves the host
+                    # ~25 us a chunk (H200 profile, bench/results/probe_host_profile_h200_run19*).
+                    with torch.cuda.stream(ring.side):
+                        self._backup_chunks(ring, cur, part, p, ptrs, d, host_base,
+                                            range(first, p.n_chunks if stop is None else stop))
+                else:
+                    self._load_chunks(ring, cur, part, p, ptrs, d_of, host_base, layer, n_layers,
+                                      self.config.load_drain if drain is None else drain)
+            except BaseException:
+                # A chunk failed part way: copies into (or out of) a staging buffer may be queued
+                # with no event after them, and a later take() could free that buffer under them.
+                ring.side.synchronize()
+                cur.synchronize()
+                raise
 
     def _backup_chunks(self, ring, cur, part, p, ptrs, d, host_base, chunks: range) -> None:
         """Gather each of ``chunks`` on the side stream (current here), then copy it to the host on
