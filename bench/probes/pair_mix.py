@@ -105,6 +105,11 @@ the engine after it (its arm is gone). Run 135 (``probe_pair_mix_h200_run135.jso
 ~3x faster: a load call 21 ms against 63 in run 134): ", switch N ms" (the interpreter's
 switch interval) 1 and 0.2 ms within 0.03x of 5 ms everywhere, and every DMA pair at
 1.60-1.79x: on that host nothing is host-bound.
+After run 141: ``dma + dma, staging 256 MiB`` and ``512 MiB`` (against ``own 128 MiB``, the
+default chunks in a DMA backend of its own). Prediction: on a slow host (a DMA call of 32k
+scattered MHA tokens over 40 ms, ``host speed:``) single-token scattered pairs gain 0.05-0.15x
+at 256 MiB (half the chunks: ~10-15 ms less host work a way), a little more at 512; allocator
+pairs within 0.02x.
 Usage: python bench/probes/pair_mix.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE[/SLOTS] ...] [--arm NAME ...]
 """
 
@@ -148,6 +153,13 @@ ALL_ARMS = {
     # for the load being prepared, and the backup queued wholly by the caller before the load.
     "dma + dma, no give-way": lambda kernel, dma: "dma",
     "dma + dma, backup queued first": lambda kernel, dma: "dma",
+    # After run 141 (both copy streams of a single-token pair wait on a slow host all through
+    # it): larger staging chunks, so each way has fewer chunks' fixed host costs (~30 numpy
+    # calls of planning, a gather or scatter launch, events). "own 128 MiB" is the control: a
+    # DMA backend of its own with the default chunks, as the larger ones are.
+    "dma + dma, own 128 MiB": lambda kernel, dma: DMABackend(DMAConfig(), fallback=kernel),
+    "dma + dma, staging 256 MiB": lambda kernel, dma: DMABackend(DMAConfig(staging_bytes=256 << 20), fallback=kernel),
+    "dma + dma, staging 512 MiB": lambda kernel, dma: DMABackend(DMAConfig(staging_bytes=512 << 20), fallback=kernel),
 }
 # Engine settings of the arms that differ from the others in the engine, not the backend.
 ENGINE_OPTS = {"dma + dma, no give-way": {"give_way_s": 0.0},
