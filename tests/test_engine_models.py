@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from kvtier.engine import Engine, EngineConfig, ModelConfig, load_checkpoint, random_model, save_checkpoint, tiny
 from kvtier.engine.attention import causal_mask, reference_attention, sdpa_attention
-from kvtier.engine.checkpoint import config_from_hf, config_to_hf
+from kvtier.engine.checkpoint import config_from_hf, config_to_hf, hf_state_dict
 from kvtier.engine.models.layers import Linear, Rotary
 
 F64 = torch.float64
@@ -26,19 +26,27 @@ def small(kind: str, **kw) -> ModelConfig:
 
 # -- a dense forward pass with no pool, no pages, no cache --------------------
 
-def dense_logits(model, ids: list[int]) -> torch.Tensor:
-    """Logits at every position, attention over the whole sequence at once (the textbook way)."""
+def dense_logits(model, ids: list[int], rope_pairs: bool = False) -> torch.Tensor:
+    """Logits at every position, attention over the whole sequence at once (the textbook way).
+    ``rope_pairs``: MLA's RoPE by interleaved pairs, as DeepSeek's checkpoints are made for."""
     cfg = model.config
     x = model.model.embed_tokens(torch.tensor(ids))
     pos = torch.arange(len(ids))
     for layer in model.model.layers:
         h = layer.input_layernorm(x)
-        x = x + _dense_attention(layer.self_attn, h, pos, cfg)
+        x = x + _dense_attention(layer.self_attn, h, pos, cfg, rope_pairs)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(model.model.norm(x))
 
 
-def _dense_attention(a, h, pos, cfg):
+def _by_pairs(x: torch.Tensor) -> torch.Tensor:
+    """``[x0, x1, x2, x3, ...] -> [x0, x2, ..., x1, x3, ...]``: Hugging Face's DeepSeek code does
+    this to its RoPE dims before rotating halves, which rotates the pairs (x0, x1), (x2, x3)..."""
+    *lead, d = x.shape
+    return x.reshape(*lead, d // 2, 2).transpose(-1, -2).reshape(*lead, d)
+
+
+def _dense_attention(a, h, pos, cfg, rope_pairs=False):
     n = h.shape[0]
     if cfg.kind == "llama":
         q = a.q_proj(h).view(n, a.n_heads, a.d)
@@ -52,6 +60,8 @@ def _dense_attention(a, h, pos, cfg):
     q = a.queries(h).view(n, a.n_heads, a.nope + a.rope)
     q_nope, q_pe = q.split([a.nope, a.rope], dim=-1)
     latent, k_pe = a.kv_a_proj_with_mqa(h).split([a.rank, a.rope], dim=-1)
+    if rope_pairs:
+        q_pe, k_pe = _by_pairs(q_pe), _by_pairs(k_pe)
     cos, sin = a.rotary.cos_sin(pos, h.dtype)
     q = torch.cat((q_nope, Rotary.apply(q_pe, cos, sin)), -1)
     k_pe = Rotary.apply(k_pe[:, None], cos, sin)
@@ -63,11 +73,11 @@ def _dense_attention(a, h, pos, cfg):
     return a.o_proj(out.transpose(0, 1).reshape(n, -1).to(h.dtype))
 
 
-def dense_greedy(model, prompt: list[int], steps: int) -> list[int]:
+def dense_greedy(model, prompt: list[int], steps: int, rope_pairs: bool = False) -> list[int]:
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(steps):
-            ids.append(int(dense_logits(model, ids)[-1].argmax()))
+            ids.append(int(dense_logits(model, ids, rope_pairs)[-1].argmax()))
     return ids[len(prompt):]
 
 
@@ -231,7 +241,7 @@ def _hf_dir(tmp_path, model, hf_overrides=None, drop=(), reshape=None):
     hf = {**config_to_hf(model.config), **(hf_overrides or {})}
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in drop}
+    state = {k: v.clone() for k, v in hf_state_dict(model).items() if k not in drop}
     if reshape:
         state[reshape] = state[reshape][:-1]
     keys = sorted(state)
@@ -256,6 +266,28 @@ def test_checkpoint_round_trip(tmp_path, cfg):
     a = Engine(model, EngineConfig(prefix_cache="none", device_tokens=64)).generate([prompt], 4)
     b = Engine(loaded, EngineConfig(prefix_cache="none", device_tokens=64)).generate([prompt], 4)
     assert a == b
+
+
+@pytest.mark.parametrize("q_lora", [0, 24])
+def test_a_deepseek_checkpoint_runs_as_its_rope_by_pairs_says(tmp_path, q_lora):
+    """DeepSeek's checkpoints are made for RoPE by interleaved pairs (Hugging Face's and vLLM's
+    DeepSeek code); the engine rotates halves, and loaded the tensors as they were: every
+    position's phase was wrong (a review, 2026-12-04). The file's own tensors, run as Hugging
+    Face runs them, must give the engine's tokens."""
+    from safetensors.torch import load_file
+
+    from kvtier.engine.models import build_model
+    cfg = small("deepseek", q_lora_rank=q_lora)
+    path = save_checkpoint(random_model(cfg, seed=5), tmp_path / "ckpt")
+    assert json.loads((path / "config.json").read_text())["rope_interleave"] is True
+    as_filed = build_model(cfg)
+    as_filed.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
+    prompt = [5, 9, 2, 44, 17, 3, 8, 60, 61, 12, 33, 70]
+    with torch.no_grad():  # the convention matters: by halves, the file's tensors give other logits
+        assert not torch.allclose(dense_logits(as_filed, prompt, rope_pairs=True), dense_logits(as_filed, prompt))
+    want = dense_greedy(as_filed, prompt, 6, rope_pairs=True)
+    loaded = load_checkpoint(path)
+    assert Engine(loaded, EngineConfig(prefix_cache="none", device_tokens=64)).generate([prompt], 6)[0] == want
 
 
 def test_save_checkpoint_then_engine_build(tmp_path):

@@ -67,7 +67,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     else:
         hf.update(kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
                   qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-                  v_head_dim=cfg.v_head_dim)
+                  v_head_dim=cfg.v_head_dim, rope_interleave=True)
     return hf
 
 
@@ -104,8 +104,31 @@ def load_checkpoint(path: str | Path, device="cpu", dtype=None, **build) -> Caus
         state.update(load_file(str(f)))
     model = build_model(cfg, device, **build)
     _check_state(model, state)
+    if cfg.kind == DEEPSEEK and json.loads((path / "config.json").read_text()).get("rope_interleave", True):
+        _rope_rows(state, cfg, to_half=True)
     model.load_state_dict(state, strict=False)
     return model
+
+
+def _rope_rows(state: dict[str, torch.Tensor], cfg: ModelConfig, to_half: bool) -> None:
+    """DeepSeek checkpoints rotate their RoPE dims in interleaved pairs, ``(x0, x1), (x2, x3)``,
+    ..., as Hugging Face's and vLLM's DeepSeek code does; the model here rotates halves,
+    ``(x_i, x_{i + d/2})``. Rotating ``x[p]`` by halves, ``p = [0, 2, 4, ..., 1, 3, 5, ...]``, is
+    rotating ``x`` by pairs, then reordered: so the rows that make the rope part of every query
+    head and the shared rope key are put in ``p``'s order as they load (``to_half``), and back
+    as they are saved. Queries and keys are reordered alike, so every score is the same."""
+    d, nope = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+    p = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+    order = p if to_half else torch.argsort(p)
+    for name, w in state.items():
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+            heads = w.view(cfg.n_heads, nope + d, -1).clone()
+            heads[:, nope:] = heads[:, nope:][:, order]
+            state[name] = heads.view(w.shape)
+        elif name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
+            w = w.clone()
+            w[cfg.kv_lora_rank:] = w[cfg.kv_lora_rank:][order]
+            state[name] = w
 
 
 def _check_state(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
@@ -124,13 +147,21 @@ def _check_state(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
         )
 
 
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """``model``'s tensors as a Hugging Face export holds them (on the CPU, contiguous): tied
+    embeddings once, and DeepSeek's RoPE rows in its pairwise order (:func:`_rope_rows`)."""
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    if model.config.kind == DEEPSEEK:
+        _rope_rows(state, model.config, to_half=False)
+    return state
+
+
 def save_checkpoint(model: CausalLM, path: str | Path) -> Path:
     """Write ``model`` as ``config.json`` + ``model.safetensors`` into directory ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2))
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if model.config.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(path / "model.safetensors"))
+    save_file(hf_state_dict(model), str(path / "model.safetensors"))
     return path
