@@ -145,9 +145,21 @@ def test_advisor_path_keeps_outputs():
 
 
 @pytest.mark.parametrize("mode", ["none", "gpu", "tiers"])
+def test_a_request_that_fills_the_pool_exactly_runs(mode):
+    """60 prompt tokens and 5 new ones hold 64 slots at most (the last token is never fed
+    back); a 64-slot pool refused it as needing 65 (a review, 2026-12-04)."""
+    model = model_of("llama", seed=4)
+    prompt = list(range(1, 61))
+    want = engine(model, "none", device_tokens=128).generate([prompt], 5)
+    assert engine(model, mode, device_tokens=64).generate([prompt], 5) == want
+    with pytest.raises(ValueError, match="needs 65 token slots"):
+        engine(model, mode, device_tokens=64).add_request(list(range(1, 62)), 5)
+
+
+@pytest.mark.parametrize("mode", ["none", "gpu", "tiers"])
 def test_request_larger_than_the_pool_is_refused_up_front(mode):
     e = engine(model_of("llama"), mode, device_tokens=64)
-    with pytest.raises(ValueError, match="needs 75 token slots.*holds 64"):
+    with pytest.raises(ValueError, match="needs 74 token slots.*holds 64"):
         e.add_request(list(range(70)), 5)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         e.add_request([1, 500], 5)
@@ -174,4 +186,23 @@ def test_any_request_mix_generates_what_each_request_does_alone(data, kind, page
     e.run_until_done()
     alone = engine(model, "none", device_tokens=device_tokens, page_size=page_size)
     assert [s.output_ids for s in seqs] == [alone.generate([p], n)[0] for p, n in reqs]
+    assert_all_released(e)
+
+
+def test_hits_are_counted_once_per_admitted_request():
+    """A request the scheduler could not admit for room asks the cache again later; its hits
+    were counted at every ask (a review, 2026-12-04: 1,104 hit tokens counted in a workload whose
+    requests reused 704)."""
+    model = model_of("llama", seed=4)
+    e = engine(model, "gpu", device_tokens=32, page_size=4)
+    p = list(range(1, 13))                   # three pages, cached by the first request
+    e.generate([p + [50]], 1)
+    m0 = e.kv.metrics()
+    e.add_request(list(range(60, 77)), 4)    # takes the other five pages for a while
+    y = e.add_request(p + [51, 52], 2)       # hits the three pages, waits for room
+    e.run_until_done()
+    m1 = e.kv.metrics()
+    assert y.reused_device == 12
+    assert m1["hit_tokens_total.device"] - m0["hit_tokens_total.device"] == 12
+    assert m1["query_tokens_total"] - m0["query_tokens_total"] == 16 + 12   # both prompts, once each
     assert_all_released(e)

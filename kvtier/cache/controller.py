@@ -96,12 +96,16 @@ class HiCache:
 
     # -- matching and locking -------------------------------------------------
 
-    def match_prefix(self, token_ids, namespace: str = "default", lock: bool = False) -> MatchResult:
+    def match_prefix(self, token_ids, namespace: str = "default", lock: bool = False,
+                     count: bool = True) -> MatchResult:
         """The longest cached whole-page prefix of ``token_ids`` in ``namespace``.
 
         ``lock=True`` also locks ``node`` under the same lock hold; with more
         than one thread matching and evicting, a separate :meth:`lock` call
-        could come after another thread evicted the match.
+        could come after another thread evicted the match. ``count=False``
+        leaves the query and its hits out of the metrics, for a caller that
+        may give the match up and ask again (a scheduler that finds no room):
+        it calls :meth:`count_match` once the request goes ahead.
         """
         tokens = as_token_array(token_ids)
         check_namespace(namespace)
@@ -119,7 +123,8 @@ class HiCache:
             dev_pages = concat([n.device for n in path[:n_dev]])
             host_len = matched - len(dev_pages) * self.page_size
             self.tree.touch(path, hit=True)
-            self._count_match(len(tokens), len(dev_pages) * self.page_size, host_len)
+            if count:
+                self._count_match(len(tokens), len(dev_pages) * self.page_size, host_len)
             node = path[-1] if path else root
             # Locked before the hot pages' backup, which may evict host pages for room: the
             # match's own host part must not be among them (it is reported cached).
@@ -130,6 +135,11 @@ class HiCache:
                 if not lock:
                     self.tree.unlock(node)
             return MatchResult(tokens_of(dev_pages, self.page_size), host_len, node, namespace)
+
+    def count_match(self, match: MatchResult, n_tokens: int) -> None:
+        """Count a query of ``n_tokens`` and ``match``'s hits, for a match made with ``count=False``."""
+        with self._lock:
+            self._count_match(n_tokens, match.device_len, match.host_len)
 
     def lock(self, node: Node) -> None:
         """Hold every node from the root to ``node``: none of them is evicted until unlocked."""

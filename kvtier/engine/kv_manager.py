@@ -88,7 +88,10 @@ class PrefixCache(_Pages):
     def admit(self, seq: Sequence) -> bool:
         # At least one token must be computed, to get the logits of the last one.
         # Locked as it is matched: the room counted next must not include the match's own pages.
-        match = self.cache.match_prefix(seq.token_ids[: seq.num_tokens - 1], namespace=seq.namespace, lock=True)
+        # Counted only if admitted: a request refused for room asks again, and its hits were
+        # counted each time (a review: 1,104 hit tokens counted where requests reused 704).
+        query = seq.token_ids[: seq.num_tokens - 1]
+        match = self.cache.match_prefix(query, namespace=seq.namespace, lock=True, count=False)
         need = _round_up(seq.num_tokens - match.device_len, self.page_size)
         if need > self.cache.device_free_tokens():
             self.cache.unlock(match.node)
@@ -102,6 +105,7 @@ class PrefixCache(_Pages):
         if own is None:
             self.cache.unlock(match.node)
             return False
+        self.cache.count_match(match, len(query))
         seq.slots = prefix.tolist() + own.tolist()
         seq.prefix_len = seq.num_computed = len(prefix)
         seq.node, seq.layer_load = match.node, layer_load

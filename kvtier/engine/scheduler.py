@@ -44,12 +44,13 @@ class Scheduler:
         self._blocked = False
 
     def add(self, seq: Sequence) -> None:
-        need = seq.num_tokens + seq.max_new_tokens
+        # The last generated token is never fed back: it needs no KV slot.
+        need = seq.num_tokens + seq.max_new_tokens - 1
         if need > self.kv.capacity:
             raise ValueError(
                 f"request {seq.req_id} needs {need} token slots (prompt {seq.num_tokens} + "
-                f"max_new_tokens {seq.max_new_tokens}) but the device pool holds {self.kv.capacity}; "
-                "raise the device pool size or shorten the request"
+                f"max_new_tokens {seq.max_new_tokens} - 1: the last token is not fed back) but the device "
+                f"pool holds {self.kv.capacity}; raise the device pool size or shorten the request"
             )
         self.waiting.append(seq)
 
