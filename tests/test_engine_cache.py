@@ -206,3 +206,15 @@ def test_hits_are_counted_once_per_admitted_request():
     assert m1["hit_tokens_total.device"] - m0["hit_tokens_total.device"] == 12
     assert m1["query_tokens_total"] - m0["query_tokens_total"] == 16 + 12   # both prompts, once each
     assert_all_released(e)
+
+
+def test_generate_checks_every_prompt_before_queueing_any():
+    """generate([ok, bad]) raised for the second after queueing the first, which then ran in the
+    next, unrelated generate (a review, 2026-12-04)."""
+    e = engine(model_of("llama"), "gpu", device_tokens=64)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        e.generate([[1, 2, 3], [1, 500]], 2)
+    with pytest.raises(ValueError, match="needs 74 token slots"):
+        e.generate([[1, 2, 3], list(range(70))], 5)
+    assert not e.has_work()
+    assert e.generate([[4, 5]], 2) == engine(model_of("llama"), "none").generate([[4, 5]], 2)

@@ -343,3 +343,12 @@ def test_config_from_hf_rejects_unsupported(hf, match):
 def test_model_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig(**{**SMALL, **kw})
+
+
+def test_a_sliding_window_checkpoint_is_refused_by_name():
+    """Mistral's first models attend within a 4,096-token window; the engine attends to the whole
+    context, so it refuses them rather than run them differently (a review, 2026-12-04)."""
+    hf = {**config_to_hf(small("llama")), "model_type": "mistral", "sliding_window": 4096}
+    with pytest.raises(ValueError, match="sliding_window=4096 is not implemented"):
+        config_from_hf(hf)
+    assert config_from_hf({**hf, "sliding_window": None}).kind == "llama"

@@ -29,6 +29,9 @@ def config_from_hf(hf: dict, dtype: torch.dtype | str | None = None) -> ModelCon
                          "the reference engine runs dense SwiGLU MLPs only")
     if hf.get("rope_scaling"):
         raise ValueError(f"rope_scaling={hf['rope_scaling']!r} is not implemented; only plain RoPE is")
+    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
+        raise ValueError(f"sliding_window={hf['sliding_window']!r} is not implemented: every token attends "
+                         "to the whole context here, so longer prompts would attend differently")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("attention_bias / mlp_bias are not implemented (the models have no biases)")
     kind = HF_TYPES[mtype]

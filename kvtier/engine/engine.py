@@ -105,6 +105,12 @@ class Engine:
         return cls(make_model(model_cfg, config, seed, checkpoint), config)
 
     def add_request(self, prompt: list[int], max_new_tokens: int, namespace: str = "default") -> Sequence:
+        seq = self._request(prompt, max_new_tokens, namespace)
+        self.scheduler.add(seq)
+        return seq
+
+    def _request(self, prompt: list[int], max_new_tokens: int, namespace: str = "default") -> Sequence:
+        """A checked request, not yet queued: a clear error for a bad one, nothing changed."""
         if not prompt:
             raise ValueError("a prompt needs at least one token")
         if max_new_tokens < 1:
@@ -114,7 +120,7 @@ class Engine:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
         seq = Sequence(prompt, max_new_tokens, namespace)
-        self.scheduler.add(seq)
+        self.scheduler.check(seq)
         return seq
 
     def step(self) -> list[Sequence]:
@@ -142,7 +148,9 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy outputs of ``prompts``, in order (all run together, continuously batched)."""
-        seqs = [self.add_request(p, max_new_tokens) for p in prompts]
+        seqs = [self._request(p, max_new_tokens) for p in prompts]  # all checked before any is queued
+        for seq in seqs:
+            self.scheduler.add(seq)
         self.run_until_done()
         return [s.output_ids for s in seqs]
 

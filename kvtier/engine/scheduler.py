@@ -44,7 +44,12 @@ class Scheduler:
         self._blocked = False
 
     def add(self, seq: Sequence) -> None:
-        # The last generated token is never fed back: it needs no KV slot.
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise if ``seq`` could never run here. The last generated token is never fed back:
+        it needs no KV slot."""
         need = seq.num_tokens + seq.max_new_tokens - 1
         if need > self.kv.capacity:
             raise ValueError(
@@ -52,7 +57,6 @@ class Scheduler:
                 f"max_new_tokens {seq.max_new_tokens} - 1: the last token is not fed back) but the device "
                 f"pool holds {self.kv.capacity}; raise the device pool size or shorten the request"
             )
-        self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
