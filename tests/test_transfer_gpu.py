@@ -624,12 +624,14 @@ def test_auto_tries_a_shared_zero_copy_backup_on_fewer_blocks_and_every_byte_lan
     want = {k: _b(st[:, d_load.cuda()]).clone() for k, st in dev.stacks.items()}
     for st in dev.stacks.values():
         st[:, d_load.cuda()] = 0
-    # Whether a backup counts as shared depends on how its last one overlapped the load beside
-    # it, a matter of host timing: 12 rounds explored the 8-block backup 3 times in run 124 and
-    # twice in run 126. Rounds go on until it has been explored (40 at most).
+    # Whether a backup counts as shared depends on whether a load is in flight when it is chosen,
+    # or its last one overlapped the load beside it. Issued after the load, it is chosen with the
+    # load in flight. (Issued before it, as an engine may, the overlap was a matter of host timing:
+    # 12 rounds explored the 8-block backup 3 times in run 124 and twice in run 126; 40 rounds once
+    # in run 145, on a host whose backups were through before the load began.)
     for _ in range(40):
-        hd = eng.backup(h_back, d_back)
         ld = eng.load(h_load, d_load)
+        hd = eng.backup(h_back, d_back)
         hd.synchronize()
         ld.synchronize()
         if auto.picks[("backup", "kernel@8")] >= auto.chooser.explore:
