@@ -131,9 +131,11 @@ class HiCache:
             self.tree.lock(node)
             try:
                 self._backup_hot(path[:n_dev])
-            finally:
-                if not lock:
-                    self.tree.unlock(node)
+            except BaseException:
+                self.tree.unlock(node)  # the caller gets no node to unlock
+                raise
+            if not lock:
+                self.tree.unlock(node)
             return MatchResult(tokens_of(dev_pages, self.page_size), host_len, node, namespace)
 
     def count_match(self, match: MatchResult, n_tokens: int) -> None:
