@@ -352,3 +352,18 @@ def test_a_sliding_window_checkpoint_is_refused_by_name():
     with pytest.raises(ValueError, match="sliding_window=4096 is not implemented"):
         config_from_hf(hf)
     assert config_from_hf({**hf, "sliding_window": None}).kind == "llama"
+
+
+@pytest.mark.parametrize("make", [lambda: sdpa_attention(torch.float64), lambda: reference_attention(torch.float64)])
+def test_exact_attention_gives_the_same_bits_with_or_without_a_cached_prefix(make):
+    """The engine's exact mode (CPU, fp32 weights) accumulates attention in float64, so the rows a
+    prefix hit recomputes come out as they did in the whole prompt's prefill: outputs do not
+    depend on what the cache reused. The fused path ignored float64 (a review, 2026-12-04: a
+    prefix hit moved the logits by up to 5e-7)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, h, 16, generator=gen) for n, h in ((48, 4), (48, 2), (48, 2)))
+    attend = make()
+    whole = attend(q, k, v, 0, 0.25)
+    assert whole.dtype == torch.float32
+    for start in (8, 24, 47):
+        assert torch.equal(attend(q[start:], k, v, start, 0.25), whole[start:]), start

@@ -146,8 +146,12 @@ def _flash_takes_gqa(device_type: str, dtype: torch.dtype, n_heads: int, kv_head
         return False
 
 
-def sdpa_attention() -> AttendFn:
+def sdpa_attention(acc: torch.dtype | None = None) -> AttendFn:
     """Causal attention through ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels).
+
+    ``acc``: inputs in that dtype, the output rounded back to the queries' (the engine's
+    ``exact`` mode on the CPU: float64, as the reference attention accumulates; without it a
+    prefix hit moved the logits by up to 5e-7 where the reference path left every bit).
 
     A whole-sequence prefill (``q_start == 0``) is plain causal attention; a
     prefill after a cached prefix uses a lower-right-aligned causal bias, so
@@ -165,7 +169,9 @@ def sdpa_attention() -> AttendFn:
     """
 
     def attend(q, k, v, q_start, scale):
-        n_heads = q.shape[1]
+        n_heads, out_dtype = q.shape[1], q.dtype
+        if acc is not None and acc != q.dtype:
+            q, k, v = q.to(acc), k.to(acc), v.to(acc)
         bias = None if q_start == 0 else _lower_right(q.shape[0], k.shape[0])
         # A boolean mask (torch without the causal bias) keeps the flash kernel out: repeat.
         gqa = (q_start == 0 or bias is not None) and _flash_takes_gqa(
@@ -180,12 +186,12 @@ def sdpa_attention() -> AttendFn:
         else:
             mask = bias if bias is not None else causal_mask(q.shape[0], q_start, q.device)
             out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, **kw)
-        return out[0].transpose(0, 1)
+        return out[0].transpose(0, 1).to(out_dtype)
 
     return attend
 
 
-ATTENTION_IMPLS = {"reference": reference_attention, "sdpa": lambda acc=None: sdpa_attention()}
+ATTENTION_IMPLS = {"reference": reference_attention, "sdpa": sdpa_attention}
 
 
 def attention_impl(name: str, acc: torch.dtype | None) -> AttendFn:
