@@ -274,3 +274,66 @@ def test_advise_refuses_a_prefill_time_that_is_no_time(bad):
     m = cache.match_prefix(list(range(8)))
     with pytest.raises(ValueError, match="prefill_seconds_per_token must be a finite number >= 0"):
         cache.advise(m, bad)
+
+
+def test_a_load_that_raises_in_poll_leaves_the_others_completed():
+    """A load handle that raises (a caller's engine; kvtier's loads raise from load() itself, and
+    are undone) is raised by poll, and stays in flight; the transfers that finished beside it
+    are completed all the same. They were taken out of the queues and never completed: their
+    pages stayed not ready, unevictable, for good (a review of the fix above)."""
+    cache, dev, host, engine = make_cache(page_size=4, dev_pages=8, host_pages=16, write_policy="write_through")
+    a, b = list(range(8)), list(range(100, 108))
+    _put(cache, dev, a)
+    _put(cache, dev, b)
+    engine.release()
+    cache.poll()
+    assert cache.evict_device(16) == 16
+    ma = cache.match_prefix(a, lock=True)
+    ra = cache.load_back(ma)
+    mb = cache.match_prefix(b, lock=True)
+    cache.load_back(mb)
+    engine.release()
+
+    def fails():
+        raise RuntimeError("the load failed on the device")
+    ra.layer_load.done = fails
+    with pytest.raises(RuntimeError, match="a load in flight failed"):
+        cache.poll()
+    assert mb.node.op is None and mb.node.device_ready            # b's load: completed
+    assert ma.node.op is not None and len(cache.tiers.inflight) == 1  # a's: still in flight
+    with pytest.raises(RuntimeError, match="a load in flight failed"):
+        cache.poll()
+
+
+def test_unlock_costs_the_same_whatever_the_children():
+    """unlock checked a node's own locks by summing its children's: the shared system prompt's
+    node, which every conversation's node hangs under, took 1.2 ms a lock and unlock at 50k."""
+    cache, dev, host, engine = make_cache(page_size=1, dev_pages=2048, host_pages=0)
+    cache.insert([0], cache.alloc_device(1))
+    for t in range(1, 1500):
+        cache.insert([0, t], torch.cat([cache.match_prefix([0]).device_indices, cache.alloc_device(1)]))
+    root_child = cache.match_prefix([0], lock=True).node
+    assert len(root_child.children) == 1499 and root_child.own_locks == 1
+    cache.unlock(root_child)
+    assert root_child.own_locks == 0 and root_child.lock_ref == 0
+    with pytest.raises(ValueError, match="not locked"):
+        cache.unlock(root_child)
+
+
+def test_a_match_made_without_counting_touches_and_backs_up_nothing_until_counted():
+    """count=False left the metrics alone but still counted a hit on the path's nodes (eviction
+    and write_through_selective go by them) and started hot pages' backups at every refused
+    retry (a review of the fix above)."""
+    cache, dev, host, engine = make_cache(page_size=4, write_policy="write_through_selective", selective_hits=2)
+    seq = list(range(8))
+    _put(cache, dev, seq)
+    node = cache.match_prefix(seq, lock=True, count=False).node
+    hits, issued = node.hits, engine.issued
+    for _ in range(4):
+        m = cache.match_prefix(seq, lock=True, count=False)
+        cache.unlock(m.node)
+    assert node.hits == hits and engine.issued == issued
+    assert cache.metrics.snapshot()["hit_tokens_total.device"] == 0
+    cache.count_match(m, len(seq))   # admitted: one hit
+    assert node.hits == hits + 1 and cache.metrics.snapshot()["hit_tokens_total.device"] == 8
+    cache.unlock(node)

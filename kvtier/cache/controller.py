@@ -122,15 +122,13 @@ class HiCache:
                 n_dev += 1
             dev_pages = concat([n.device for n in path[:n_dev]])
             host_len = matched - len(dev_pages) * self.page_size
-            self.tree.touch(path, hit=True)
-            if count:
-                self._count_match(len(tokens), len(dev_pages) * self.page_size, host_len)
             node = path[-1] if path else root
             # Locked before the hot pages' backup, which may evict host pages for room: the
             # match's own host part must not be among them (it is reported cached).
             self.tree.lock(node)
             try:
-                self._backup_hot(path[:n_dev])
+                if count:
+                    self._hit(path, n_dev, len(tokens), host_len)
             except BaseException:
                 self.tree.unlock(node)  # the caller gets no node to unlock
                 raise
@@ -139,10 +137,23 @@ class HiCache:
             return MatchResult(tokens_of(dev_pages, self.page_size), host_len, node, namespace)
 
     def count_match(self, match: MatchResult, n_tokens: int) -> None:
-        """Count a query of ``n_tokens`` and ``match``'s hits, for a match made with ``count=False``."""
+        """What :meth:`match_prefix` does for a hit, for a match made with ``count=False`` (and
+        still locked): the query and its hits counted, the path touched (recency, and the hits
+        that eviction and ``write_through_selective`` go by), its hot device pages backed up."""
         with self._lock:
-            self._count_match(n_tokens, match.device_len, match.host_len)
+            self._check_node(match.node)
+            path = self.tree.path_to(match.node)
+            n_dev = 0
+            while n_dev < len(path) and path[n_dev].device is not None and path[n_dev].device_ready:
+                n_dev += 1
+            self._hit(path, n_dev, n_tokens, match.host_len, device=match.device_len)
 
+    def _hit(self, path: list[Node], n_dev: int, n_tokens: int, host_len: int, device: int | None = None) -> None:
+        """A query of ``n_tokens`` matched ``path`` (its first ``n_dev`` nodes on the device)."""
+        self.tree.touch(path, hit=True)
+        dev = sum(len(n) for n in path[:n_dev]) if device is None else device
+        self._count_match(n_tokens, dev, host_len)
+        self._backup_hot(path[:n_dev])
     def lock(self, node: Node) -> None:
         """Hold every node from the root to ``node``: none of them is evicted until unlocked."""
         with self._lock:
@@ -152,9 +163,9 @@ class HiCache:
     def unlock(self, node: Node) -> None:
         with self._lock:
             self._check_node(node)
-            # A node's own locks: its count less its children's (a lock on a longer match
-            # holds this node too, but is that match's to release).
-            if node.parent is not None and node.lock_ref - sum(c.lock_ref for c in node.children.values()) <= 0:
+            # A node's own locks (a lock on a longer match holds this node too, but is that
+            # match's to release).
+            if node.parent is not None and node.own_locks <= 0:
                 raise ValueError("unlock without a matching lock: this node is not locked by its own lock "
                                  "(unlock the node lock() or match_prefix(lock=True) gave you, once)")
             self.tree.unlock(node)

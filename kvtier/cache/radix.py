@@ -30,7 +30,7 @@ class Node:
     __slots__ = (
         "tokens", "children", "parent", "namespace", "hashes",
         "device", "device_ready", "host", "host_ready", "dev_children",
-        "lock_ref", "last_access", "hits", "op", "alive",
+        "lock_ref", "own_locks", "last_access", "hits", "op", "alive",
     )
 
     def __init__(self, tokens: np.ndarray, parent: Node | None, namespace: str, hashes: list[bytes]):
@@ -45,6 +45,7 @@ class Node:
         self.host_ready = False       # False while a backup is writing the pages
         self.dev_children = 0         # children with device pages
         self.lock_ref = 0
+        self.own_locks = 0            # locks taken at this node itself (lock_ref counts descendants' too)
         self.last_access = 0
         self.hits = 0
         self.op = None
@@ -129,7 +130,7 @@ class RadixTree:
 
         ``node`` keeps the lower part (so a handle to it still ends where it
         did); residency, lock count, statistics and the op in flight are
-        shared by both parts.
+        shared by both parts; the locks taken at ``node`` stay its own.
         """
         ps = self.page_size
         assert 0 < k < len(node) and k % ps == 0
@@ -196,6 +197,7 @@ class RadixTree:
     # -- locks -----------------------------------------------------------
 
     def lock(self, node: Node) -> None:
+        node.own_locks += 1
         while node.parent is not None:
             if node.lock_ref == 0:
                 self.locked_nodes += 1
@@ -206,6 +208,7 @@ class RadixTree:
 
     def unlock(self, node: Node) -> None:
         assert node.parent is None or node.lock_ref > 0
+        node.own_locks -= 1
         while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:

@@ -306,9 +306,11 @@ class Tiers:
         """Complete every op whose transfer has finished; returns how many (failed ones too:
         :meth:`_failed`)."""
         done = self.inflight.take_done()
+        failed_loads = [op for op in done if op.error is not None and op.kind == LOAD]
         for op in done:
             if op.error is not None:
-                self._failed(op)
+                if op.kind == BACKUP:
+                    self._failed(op)
                 continue
             seconds = op.seconds()
             self.meters[op.kind].add(op.nbytes, seconds)
@@ -321,16 +323,21 @@ class Tiers:
                     n.host_ready = True
                 else:
                     n.device_ready = True
+        if failed_loads:
+            # Every other op is completed first; the failed loads stay in flight (their pages
+            # may hold anything, and a request may be reading them): raised at every poll.
+            self.inflight.queues[LOAD].extendleft(reversed(failed_loads))
+            err = failed_loads[0].error
+            raise RuntimeError(f"a load in flight failed: {err}") from err
         return len(done)
 
     def _failed(self, op: Op) -> None:
         """Retire a backup whose copies could not all be queued: once what was queued has run,
         its host pages are freed and its nodes are as before it (their device pages, which it
-        read, are intact; a demotion is simply not done). A load cannot fail this way: its
-        copies are all queued before the engine's ``load()`` returns, and an error there raises
-        from :meth:`_issue`, undone."""
-        if op.kind != BACKUP:
-            raise RuntimeError(f"a {op.kind} in flight failed: {op.error}") from op.error
+        read, are intact; a demotion is simply not done). kvtier's loads cannot fail this way:
+        their copies are all queued before the engine's ``load()`` returns, and an error there
+        raises from :meth:`_issue`, undone; a caller's engine whose load handle raises has it
+        raised by :meth:`poll`."""
         settle = getattr(op.handle, "settle", None)  # an engine of the caller's may lack it
         try:
             settle() if settle is not None else op.handle.synchronize()
@@ -349,7 +356,8 @@ class Tiers:
         try:
             op.handle.synchronize()
         except Exception:  # noqa: BLE001 - a failed backup: poll() retires it (_failed)
-            pass
+            if op.kind != BACKUP:
+                raise
         self.metrics.stall_seconds.inc(time.perf_counter() - t0)
         self.poll()
 
