@@ -263,8 +263,11 @@ class AutoBackend(Backend):
             plans = self.dma.plan_parts(parts, s_np, s_runs, order, to_host, whole, dev_np)
             if all(p is None for p in plans):
                 # This transfer's runs are too short for copies (its shape key's were not): it goes
-                # by the kernel, and its sample is the kernel's, not filed as DMA's.
+                # by the kernel, and its sample is the kernel's, not filed as DMA's. DMA is no
+                # candidate for the shape from now on, or every later transfer of it would be
+                # planned for DMA first while DMA waits for samples it never gets.
                 choice, plans = "kernel", None
+                self._candidates[base] = [c for c in candidates if c != "dma"] or ["kernel"]
         self.picks[("backup" if to_host else "load", choice)] += 1
         if plans is not None:
             inner = self.dma.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota, lazy_dev=not to_host,

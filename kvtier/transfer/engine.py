@@ -335,8 +335,12 @@ class TransferEngine:
                     if head is not None and (self._last_queued is None or self._last_queued.done()):
                         queued = _queue_head(stream, head, event)
                     if queued is None:
-                        queued = self._last_queued = self._started_backlog().add(
-                            lambda: _queue_backup(stream, run, event))
+                        try:
+                            queued = self._last_queued = self._started_backlog().add(
+                                lambda: _queue_backup(stream, run, event))
+                        except BaseException:
+                            stream.synchronize()  # a head's copies may be queued: let them run first
+                            raise
                 else:
                     try:
                         _queue_backup(stream, run, event)
