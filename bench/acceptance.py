@@ -20,18 +20,24 @@ TARGET_95 = {("mha", "layer_first"), ("mha", "page_first"), ("mla", "layer_first
 
 
 def target(r) -> float | None:
+    """The row's target, or None where it is not one of the issue's 72 (page 16, spread pools)."""
     if r["host_slots"] not in ("allocator", "scattered"):  # spread: a larger pool, not in the issue
+        return None
+    if r["page_size"] not in (1, 64):
         return None
     if r["direction"] == "both":
         return 1.5
-    if r["page_size"] not in (1, 64):
-        return None
     if r["host_slots"] == "allocator" and (r["kind"], r["layout"]) in TARGET_95:
         return 0.95
     return 0.9
 
 
 DIRECTION = {"backup": "backup", "load": "per-layer load", "both": "both at once (sum)"}
+
+
+def exact(r) -> float:
+    """A row's ratio from its GB/s and limit (the JSON's ``ratio`` is rounded to 3 decimals)."""
+    return r["gbps"] / r["limit_gbps"]
 
 
 def readme_table(cells) -> str:
@@ -68,26 +74,29 @@ def main(paths):
     if readme:
         print(readme_table(cells))
         return
-    met = auto_ok = near = targeted = 0
+    met = auto_ok = auto_rows = near = targeted = 0
     lines = ["| kind, layout | page | slots | direction | kernel | dma | auto | target | best - target | met |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
     for key, by in cells.items():
         t = target(next(iter(by.values())))
-        best = max(by.values(), key=lambda r: r["ratio"])
-        ok = t is not None and best["ratio"] >= t
+        best = max(by.values(), key=exact)
+        # From GB/s over the limit, not the rounded ratio: 1.4997x is not 1.5x (run 124 counted
+        # one such row met, runs 12-98 thirteen).
+        ok = t is not None and exact(best) >= t
         a = by.get("auto")
-        close = a is not None and a["gbps"] >= 0.95 * best["gbps"]
+        close = a is None or a["gbps"] >= 0.95 * best["gbps"]
         met += ok
         targeted += t is not None
-        auto_ok += close
-        margin = None if t is None else best["ratio"] - t
+        auto_rows += t is not None and a is not None
+        auto_ok += t is not None and a is not None and close
+        margin = None if t is None else exact(best) - t
         near += margin is not None and abs(margin) <= NEAR
         f = lambda b: f"{by[b]['gbps']:.1f} ({by[b]['ratio']:.2f}x)" if b in by else "-"  # noqa: E731
         lines.append(f"| {key[0].upper()} {key[1]} | {key[2]} | {key[4]} | {key[3]} | {f('kernel')} | {f('dma')} | "
                      f"{f('auto')} | {t}x | {'-' if margin is None else f'{margin:+.3f}'} | "
                      f"{'yes' if ok else 'no' if t is not None else '-'}{'' if close else ' (auto >5% below)'} |")
     print("\n".join(lines))
-    print(f"\nrows meeting their target: {met}/{targeted}; auto within 5% of the best: {auto_ok}/{len(cells)}; "
+    print(f"\nrows meeting their target: {met}/{targeted}; auto within 5% of the best: {auto_ok}/{auto_rows}; "
           f"rows within {NEAR}x of their target, either side (they can flip between runs): {near}")
 
 

@@ -210,17 +210,24 @@ def measure(case: Case, engine: TransferEngine, direction: str, idx, clock: Cloc
     # A backup and a load at once vary more from run to run (H200 runs 15-16: up to 0.24x
     # of the limit with the code unchanged): their median takes at least five.
     n = max(reps, 5) if direction == "both" else reps
-    t = clock.median(fn, n, max(1, getattr(engine.backend, "settling_transfers", 1)))
+    warmup = max(1, getattr(engine.backend, "settling_transfers", 1))
+    logged = len(pair_log) if pair_log is not None else 0
+    t = clock.median(fn, n, warmup)
+    if pair_log is not None:  # the timeline of the timed pairs only, not the untimed ones before
+        del pair_log[logged:logged + warmup]
     return (2 if direction == "both" else 1) * case.nbytes / t / 1e9
 
 
 def host_bytes_needed(kinds, tokens: int, slots, spread: int, layers: int | None, cuda: bool) -> tuple[int, str]:
     """The most host memory one case of the bench holds at once, and which kind that is: its
     host pool (twice the transfer), a ``spread`` pool while those rows run, and without CUDA
-    its device pool (twice the transfer) too. Cases run one after another, each freed after."""
+    its device pool (twice the transfer) too; the first case also the contiguous limit's two
+    host buffers of one transfer each, timed while its pools exist. Cases run one after
+    another, each freed after."""
     spans = 2 + (spread if "spread" in slots else 0) + (0 if cuda else 2)
     specs = {k: preset(SHAPES[k]) for k in kinds}
-    need = {k: s.bytes_per_token_per_layer * (layers or s.layer_num) * tokens * spans for k, s in specs.items()}
+    need = {k: s.bytes_per_token_per_layer * (layers or s.layer_num) * tokens * (spans + 2 * (k == kinds[0]))
+            for k, s in specs.items()}
     kind = max(need, key=need.get)
     return need[kind], kind
 
@@ -340,8 +347,11 @@ def run_bench(tokens: int, reps: int, backends: tuple[str, ...], kinds, page_siz
         again = contiguous_limit(nbytes, clock, reps)
         again["both"] = (again["backup"] + again["load"]) / 2
         ends = {key: (round(limits[key], 2), round(again[key], 2)) for key in limits}
-        for key in limits:
+        for key in ("backup", "load", "duplex"):
             limits[key] = max(limits[key], again[key])
+        # A pair's limit is the mean of the two directions' (each the higher of start and end);
+        # the higher of the start's and the end's means is lower than that where they crossed.
+        limits["both"] = (limits["backup"] + limits["load"]) / 2
         rows[:] = [_with_limits(r, limits) for r in rows]
         if on_row:
             on_row(rows, None, None, final=True, ends=ends)
@@ -450,15 +460,19 @@ def load_groups(backend) -> list[int] | None:
 
 
 def table(rows: list[Row]) -> str:
-    head = f"{'kind':4} {'layout':11} {'page':>4} {'direction':9} {'slots':9} " + " ".join(
-        f"{b:>14}" for b in dict.fromkeys(r.backend for r in rows))
+    """Every row, a column per backend (a blank where a row has none); the contiguous limit's
+    rows first, under the first column."""
+    names = list(dict.fromkeys(r.backend for r in rows if r.kind != "all"))
+    head = f"{'kind':4} {'layout':11} {'page':>4} {'direction':9} {'slots':9} " + " ".join(f"{b:>14}" for b in names)
     lines = [head]
     keyed: dict[tuple, dict[str, Row]] = {}
     for r in rows:
         keyed.setdefault((r.kind, r.layout, r.page_size, r.direction, r.host_slots), {})[r.backend] = r
+    cell = lambda r: f"{r.gbps:7.1f} {r.ratio:5.2f}x"  # noqa: E731
     for (k, lay, ps, d, s), by in keyed.items():
-        cells = " ".join(f"{by[b].gbps:6.1f} {by[b].ratio:4.2f}x" for b in by)
-        lines.append(f"{k:4} {lay:11} {ps:>4} {d:9} {s:9} {cells}")
+        cols = [cell(r) for r in by.values()] if k == "all" else [cell(by[b]) if b in by else f"{'-':>14}"
+                                                                   for b in names]
+        lines.append(f"{k:4} {lay:11} {ps:>4} {d:9} {s:9} " + " ".join(cols))
     return "\n".join(lines)
 
 
