@@ -117,9 +117,7 @@ class HiCache:
             if partial is not None:
                 path.append(self.tree.split(*partial))
                 matched += partial[1]
-            n_dev = 0
-            while n_dev < len(path) and path[n_dev].device is not None and path[n_dev].device_ready:
-                n_dev += 1
+            n_dev = _ready_on_device(path)
             dev_pages = concat([n.device for n in path[:n_dev]])
             host_len = matched - len(dev_pages) * self.page_size
             node = path[-1] if path else root
@@ -128,7 +126,7 @@ class HiCache:
             self.tree.lock(node)
             try:
                 if count:
-                    self._hit(path, n_dev, len(tokens), host_len)
+                    self._hit(path, n_dev, len(tokens), len(dev_pages) * self.page_size, host_len)
             except BaseException:
                 self.tree.unlock(node)  # the caller gets no node to unlock
                 raise
@@ -143,17 +141,15 @@ class HiCache:
         with self._lock:
             self._check_node(match.node)
             path = self.tree.path_to(match.node)
-            n_dev = 0
-            while n_dev < len(path) and path[n_dev].device is not None and path[n_dev].device_ready:
-                n_dev += 1
-            self._hit(path, n_dev, n_tokens, match.host_len, device=match.device_len)
+            self._hit(path, _ready_on_device(path), n_tokens, match.device_len, match.host_len)
 
-    def _hit(self, path: list[Node], n_dev: int, n_tokens: int, host_len: int, device: int | None = None) -> None:
-        """A query of ``n_tokens`` matched ``path`` (its first ``n_dev`` nodes on the device)."""
+    def _hit(self, path: list[Node], n_dev: int, n_tokens: int, device_len: int, host_len: int) -> None:
+        """A query of ``n_tokens`` matched ``path`` (its first ``n_dev`` nodes ready on the
+        device): counted as ``device_len`` and ``host_len`` tokens found in each tier."""
         self.tree.touch(path, hit=True)
-        dev = sum(len(n) for n in path[:n_dev]) if device is None else device
-        self._count_match(n_tokens, dev, host_len)
+        self._count_match(n_tokens, device_len, host_len)
         self._backup_hot(path[:n_dev])
+
     def lock(self, node: Node) -> None:
         """Hold every node from the root to ``node``: none of them is evicted until unlocked."""
         with self._lock:
@@ -266,10 +262,7 @@ class HiCache:
             if node.parent is not None and node.lock_ref == 0:
                 raise ValueError("lock(match.node) before load_back: an unlocked match may be evicted meanwhile")
             path = self.tree.path_to(node)
-            first = 0
-            while first < len(path) and path[first].device is not None and path[first].device_ready:
-                first += 1
-            rest = path[first:]
+            rest = path[_ready_on_device(path):]
             to_load = [n for n in rest if n.device is None]
             # Pages still being loaded are waited for; a ready page's op, if any, is a backup
             # reading it (it has no layers to wait on, and the load does not need it).
@@ -346,8 +339,7 @@ class HiCache:
     def device_free_tokens(self) -> int:
         """Slots alloc_device can hand out: free ones plus unlocked cached ones it may evict."""
         with self._lock:  # one consistent reading of counters another thread may be changing
-            t = self.tree
-            return (self.tiers.device_alloc.available_pages() + t.device_pages - t.device_locked_pages) * self.page_size
+            return self.tiers.device_room() * self.page_size
 
     def host_free_tokens(self) -> int:
         """Host slots free or held by unlocked cached pages (0 without a host pool)."""
@@ -435,3 +427,11 @@ class HiCache:
             depth = {k: tiers.inflight.depth(k) for k in ("backup", "load")}
             bw = {k: m.bps for k, m in tiers.meters.items()}
             return {"tokens": tokens, "queue_depth": depth, "bandwidth": bw}
+
+
+def _ready_on_device(path: list[Node]) -> int:
+    """How many of ``path``'s first nodes hold their pages on the device, ready."""
+    n = 0
+    while n < len(path) and path[n].device is not None and path[n].device_ready:
+        n += 1
+    return n

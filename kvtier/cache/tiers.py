@@ -108,8 +108,7 @@ class Tiers:
     def obtain_device(self, n_pages: int) -> np.ndarray | None:
         """``n_pages`` free device pages, evicting (and waiting for demotions) as needed; None,
         with nothing evicted, where the unlocked cached pages would not make room either."""
-        t = self.tree
-        if self.device_alloc.available_pages() + t.device_pages - t.device_locked_pages < n_pages:
+        if self.device_room() < n_pages:
             return None
         for _ in range(self.max_rounds):
             pages = self.device_alloc.alloc_pages(n_pages)
@@ -122,6 +121,11 @@ class Tiers:
                 return None
             self.wait_oldest()
         return None
+
+    def device_room(self) -> int:
+        """Device pages free, or held by unlocked cached pages that eviction may free."""
+        t = self.tree
+        return self.device_alloc.available_pages() + t.device_pages - t.device_locked_pages
 
     def obtain_host(self, n_pages: int, keep_device_copies: bool = False) -> np.ndarray | None:
         """``n_pages`` free host pages, evicting host copies as needed.
