@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from .validate import is_int, require_positive_int
+from .validate import is_int, is_int_dtype, require_positive_int
 
 
 class AllocatorError(ValueError):
@@ -268,8 +268,7 @@ _SMALL_PAGES = 8
 
 def _is_flat(values) -> bool:
     if isinstance(values, torch.Tensor):
-        return values.dim() == 1 and not (values.dtype.is_floating_point or values.dtype.is_complex
-                                          or values.dtype == torch.bool)
+        return values.dim() == 1 and is_int_dtype(values.dtype)
     if isinstance(values, np.ndarray):
         return values.ndim == 1 and np.issubdtype(values.dtype, np.integer)
     return isinstance(values, (list, tuple)) and all(
@@ -304,7 +303,7 @@ def _small_tokens_to_pages(values, page_size: int, size: int) -> list[int]:
 
 def _as_int_array(values, name: str) -> np.ndarray:
     if isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+        if not is_int_dtype(values.dtype):
             raise AllocatorError(f"{name} must be an integer tensor, got dtype {values.dtype}")
         values = values.detach().to("cpu", torch.int64).numpy()
     arr = np.asarray(values)

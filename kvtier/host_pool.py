@@ -30,7 +30,7 @@ from .memory import GB, HostBuffer, check_host_memory, gpu_available, huge_page_
 from .spec import DSA, MHA, MLA, KVSpec, dsa_index_row_bytes
 from .transfer.base import TransferPart, get_backend
 from .transfer import direct as _direct  # noqa: F401  (registers the direct backend)
-from .validate import is_int, require_positive_int
+from .validate import is_int, is_int_dtype, require_positive_int
 
 logger = logging.getLogger("kvtier")
 
@@ -254,8 +254,7 @@ class HostKVCache:
 
     def _page_of(self, index) -> int:
         # Storage backends pass ``host_indices[i]``, a 0-d integer tensor, as SGLang's do.
-        if isinstance(index, torch.Tensor) and index.numel() == 1 and not (
-                index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool):
+        if isinstance(index, torch.Tensor) and index.numel() == 1 and is_int_dtype(index.dtype):
             index = int(index.item())
         if not is_int(index):
             raise ValueError(f"index must be an integer token index, got {index!r}")
@@ -498,7 +497,7 @@ def _as_index_tensor(values, name: str) -> torch.Tensor:
     t = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
     if t.dim() != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {tuple(t.shape)}")
-    if t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
+    if not is_int_dtype(t.dtype):
         raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
     return t if t.dtype == torch.int64 else t.to(torch.int64)
 

@@ -5,11 +5,17 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
+import torch
 
 
 def is_int(value) -> bool:
     """A Python or numpy integer, not a bool (``True`` is no count of anything)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def is_int_dtype(dtype: torch.dtype) -> bool:
+    """An integer tensor dtype: not floating point, complex or bool."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def require_positive_int(name: str, value) -> None:
