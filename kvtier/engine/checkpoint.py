@@ -82,14 +82,18 @@ def random_model(cfg: ModelConfig, seed: int = 0, device="cpu", **build) -> Caus
 def checkpoint_config(path: str | Path, dtype=None) -> ModelConfig:
     """The model config of a local Hugging Face-format directory, from its ``config.json`` alone
     (nothing else is read), after checking that it has ``*.safetensors`` files too."""
-    path = Path(path)
+    return config_from_hf(_hf_config(Path(path)), dtype)
+
+
+def _hf_config(path: Path) -> dict:
+    """``path``'s ``config.json``, checked to sit beside ``*.safetensors`` files."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{cfg_file} not found: a checkpoint is a local directory with "
                                 "config.json and *.safetensors (nothing is downloaded)")
     if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    return config_from_hf(json.loads(cfg_file.read_text()), dtype)
+    return json.loads(cfg_file.read_text())
 
 
 def load_checkpoint(path: str | Path, device="cpu", dtype=None, **build) -> CausalLM:
@@ -100,14 +104,15 @@ def load_checkpoint(path: str | Path, device="cpu", dtype=None, **build) -> Caus
     first missing, unexpected or misshapen tensors).
     """
     path = Path(path)
-    cfg = checkpoint_config(path, dtype)
+    hf = _hf_config(path)
+    cfg = config_from_hf(hf, dtype)
     files = sorted(path.glob("*.safetensors"))
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
     model = build_model(cfg, device, **build)
     _check_state(model, state)
-    if cfg.kind == DEEPSEEK and json.loads((path / "config.json").read_text()).get("rope_interleave", True):
+    if cfg.kind == DEEPSEEK and hf.get("rope_interleave", True):
         _rope_rows(state, cfg, to_half=True)
     model.load_state_dict(state, strict=False)
     return model
