@@ -324,53 +324,54 @@ class TransferEngine:
             if t.device.type == "cuda":
                 t.record_stream(stream)
         with torch.cuda.stream(stream):
-            if to_host:
-                run = self._runner(parts, h, d, to_host, h_np, d_np)
-                event = torch.cuda.Event()
-                queued = None
-                if self.background_backups:
-                    # The first chunk now, unless an earlier backup is still being queued (the
-                    # thread queues backups in order: a later one's chunk must not pass it).
-                    head = getattr(run, "head", None)
-                    if head is not None and (self._last_queued is None or self._last_queued.done()):
-                        queued = _queue_head(stream, head, event)
-                    if queued is None:
-                        try:
-                            queued = self._last_queued = self._started_backlog().add(
-                                lambda: _queue_backup(stream, run, event))
-                        except BaseException:
-                            stream.synchronize()  # a head's copies may be queued: let them run first
-                            raise
+            try:
+                if to_host:
+                    handle = self._queue_backup_call(stream, parts, h, d, h_np, d_np, nbytes)
                 else:
-                    try:
-                        _queue_backup(stream, run, event)
-                    except BaseException:
-                        event.synchronize()  # what was queued has run: the caller may free the slots
-                        raise
-                handle = TransferHandle(nbytes, event, keep=(h, d, run), queued=queued,
-                                        pump=self._backlog.pump if self._backlog is not None else None)
-            else:
-                # Until the first layer's copies are queued, the background thread pauses
-                # between its chunks: it held the GIL often enough to slow a load's
-                # preparation from 2-3 ms to 7.5 ms (H200 run 22, probe_host_timeline).
-                events = []
-                try:
-                    with self._load_first():
-                        run = self._runner(parts, h, d, to_host, h_np, d_np)
-                        run(0)
-                    for layer in range(self.layer_num):
-                        if layer:
-                            run(layer)
-                        events.append(torch.cuda.Event())
-                        events[-1].record(stream)
-                except BaseException:
-                    # Some layers' copies may be queued: once they have run, the caller may
-                    # free or reuse the slots (a cache gives the device pages back at once).
-                    stream.synchronize()
-                    raise
-                handle = LayerLoad(self.layer_num, nbytes, events, keep=(h, d, run))
+                    handle = self._queue_load_call(stream, parts, h, d, h_np, d_np, nbytes)
+            except BaseException:
+                # Part of the transfer may be queued: once that has run, the caller may free or
+                # reuse the slots (a cache gives the device pages back at once).
+                stream.synchronize()
+                raise
         self._inflight.append(_InFlight(handle, h_np, d_np, to_host))
         return handle
+
+    def _queue_backup_call(self, stream, parts, h, d, h_np, d_np, nbytes: int) -> TransferHandle:
+        """Queue a backup on ``stream`` (current): in this thread, or its first chunk here and
+        the rest by the background thread. Errors from the thread reach the handle."""
+        run = self._runner(parts, h, d, True, h_np, d_np)
+        event = torch.cuda.Event()
+        queued = None
+        if self.background_backups:
+            # The first chunk now, unless an earlier backup is still being queued (the
+            # thread queues backups in order: a later one's chunk must not pass it).
+            head = getattr(run, "head", None)
+            if head is not None and (self._last_queued is None or self._last_queued.done()):
+                queued = _queue_head(stream, head, event)
+            if queued is None:
+                queued = self._last_queued = self._started_backlog().add(
+                    lambda: _queue_backup(stream, run, event))
+        else:
+            _queue_backup(stream, run, event)
+        return TransferHandle(nbytes, event, keep=(h, d, run), queued=queued,
+                              pump=self._backlog.pump if self._backlog is not None else None)
+
+    def _queue_load_call(self, stream, parts, h, d, h_np, d_np, nbytes: int) -> LayerLoad:
+        """Queue a load on ``stream`` (current), layer by layer, an event after each."""
+        # Until the first layer's copies are queued, the background thread pauses
+        # between its chunks: it held the GIL often enough to slow a load's
+        # preparation from 2-3 ms to 7.5 ms (H200 run 22, probe_host_timeline).
+        events = []
+        with self._load_first():
+            run = self._runner(parts, h, d, False, h_np, d_np)
+            run(0)
+        for layer in range(self.layer_num):
+            if layer:
+                run(layer)
+            events.append(torch.cuda.Event())
+            events[-1].record(stream)
+        return LayerLoad(self.layer_num, nbytes, events, keep=(h, d, run))
 
     def kvtier_streams(self):
         return (getattr(self, "backup_stream", None), getattr(self, "load_stream", None))
