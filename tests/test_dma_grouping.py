@@ -725,3 +725,25 @@ def test_a_load_drains_every_load_drain_layers_but_no_sooner_than_load_drain_byt
     assert every == layers or (every - 1) * max(layer_bytes, 1) < min_bytes
     mib = 1 << 20
     assert drain_every(4, 512 * mib, 32768 * 1152) == 15 and drain_every(4, 512 * mib, 32768 * 4096) == 4
+
+
+@given(a=st.integers(-(2**40), 2**40))
+def test_the_launch_key_tells_apart_whatever_triton_specializes_an_int_on(a):
+    """The launcher path reuses a compiled kernel only for arguments in the same class: an int
+    equal to 1, a multiple of 16 or not, in 32 bits or not, each gets a class of its own, as
+    Triton specializes on each (a kernel compiled for a multiple of 16 would be wrong for 17)."""
+    pytest.importorskip("triton")
+    from kvtier.transfer.triton_kernels import arg_class
+    for b in (1, 16, 17, 2**31, -(2**31) - 1, 0):
+        if arg_class(a) == arg_class(b):
+            assert (a == 1) == (b == 1) and (a % 16 == 0) == (b % 16 == 0)
+            assert (-(2**31) <= a < 2**31) == (-(2**31) <= b < 2**31)
+    t = torch.zeros(64, dtype=torch.uint8)
+    assert arg_class(t[:8]) != arg_class(t[1:9]) != arg_class(t[:8].view(torch.int64))
+
+
+@given(n=st.integers(1, 2**40))
+def test_next_pow2_is_tritons(n):
+    triton = pytest.importorskip("triton")
+    from kvtier.transfer.triton_kernels import next_pow2
+    assert next_pow2(n) == triton.next_power_of_2(n)

@@ -470,6 +470,42 @@ def test_kernel_block_quota_bounds_grid():
     host.close()
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_head"])
+def test_the_launcher_path_moves_the_bytes_of_tritons_own_launch(layout, monkeypatch):
+    """Chunks of 1, 2, 16 and 17 items from item 0, 1 and 16 (ints Triton specializes on):
+    each call through the compiled kernel's launcher lands the bytes Triton's full launch
+    does, and the launcher is kept once per specialization."""
+    import kvtier.transfer.triton_kernels as tk
+    from kvtier.layouts import LAYOUTS
+    spec = SPECS["mha_odd"]
+    comp = spec.components[0]
+    pl = LAYOUTS[layout].placement(comp, spec.layer_num, 64, 1)
+    dev = torch.randint(0, 256, (spec.layer_num, 64, comp.item_bytes), dtype=torch.uint8, device="cuda")
+    layers = tuple(dev.unbind(0))
+    ptrs = tk.layer_ptr_table(layers, "cuda")
+    rng = np.random.default_rng(3)
+    h = torch.from_numpy(rng.permutation(64)).cuda()
+    d = torch.from_numpy(rng.permutation(64)).cuda()
+    monkeypatch.setattr(tk, "_launchers", {})
+    for item0 in (0, 1, 16):
+        for m in (1, 2, 16, 17):
+            out = {}
+            for fast in (False, True, True):  # the second fast call goes by the kept launcher
+                monkeypatch.setattr(tk, "FAST_LAUNCH", fast)
+                buf = torch.zeros(pl.total_bytes, dtype=torch.uint8, device="cuda")
+                tk.copy_items(pl, buf, layers, ptrs, h, d, item0, m, 0, spec.layer_num, True, 4)
+                back = torch.zeros_like(dev)
+                tk.copy_items(pl, buf, tuple(back.unbind(0)), tk.layer_ptr_table(back.unbind(0), "cuda"), h, d,
+                              item0, m, 0, spec.layer_num, False, 4)
+                out.setdefault(fast, []).append((buf, back))
+            ref_buf, ref_back = out[False][0]
+            rows = d[item0:item0 + m]
+            assert torch.equal(ref_back[:, rows], dev[:, rows])
+            for buf, back in out[True]:
+                assert torch.equal(buf, ref_buf) and torch.equal(back, ref_back)
+    assert 0 < len(tk._launchers) <= 2 * 3 * 4
+
+
 @pytest.mark.parametrize("layout", ["page_first", "page_head"])
 @pytest.mark.parametrize("group", [0, 1, 3])
 def test_grouped_dma_loads_signal_each_layer_after_its_bytes(layout, group):

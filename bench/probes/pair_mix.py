@@ -127,6 +127,7 @@ from kvtier.transfer.base import Backend, get_backend
 from kvtier.transfer.online import DUPLEX
 from kvtier.transfer.dma import DMABackend, DMAConfig
 from kvtier.transfer.kernel import KernelBackend, KernelConfig
+from kvtier.transfer import triton_kernels as tk
 from probelib import JsonLog, args, cell, in_turn, start, switch_interval
 
 PATH, TOKENS = args("/tmp/probe_pair_mix.json")
@@ -175,14 +176,18 @@ SIDE = re.compile(r"(dma|kernel@(\d+)) backup \+ (dma|kernel@(\d+)) load")
 # "dma + dma, give-way 20 ms" or "auto, give-way 20 ms".
 # After run 134: ", switch N ms" runs the arm with the interpreter's thread switch interval at
 # N ms (``sys.setswitchinterval``; 5 ms by default). Suffixes combine, in any order.
-SUFFIX = re.compile(r"(.+), (?:give-way (\d+(?:\.\d+)?) ms|switch (\d+(?:\.\d+)?) ms)")
+# After run 147: ", triton launch" launches the gathers and scatters by Triton's full launch path
+# every call (``triton_kernels.FAST_LAUNCH`` off), against the kept launcher of the default.
+SUFFIX = re.compile(r"(.+), (?:give-way (\d+(?:\.\d+)?) ms|switch (\d+(?:\.\d+)?) ms|(triton launch))")
 
 
 def base_and_opts(name: str) -> tuple[str, dict]:
     """An arm's name without its suffixes, and its engine settings (and ``switch_s``)."""
     opts = {}
     while m := SUFFIX.fullmatch(name):
-        if m[3]:
+        if m[4]:
+            opts["triton_launch"] = True
+        elif m[3]:
             opts.setdefault("switch_s", float(m[3]) / 1e3)
         else:
             opts.setdefault("give_way_s", float(m[2]) / 1e3)
@@ -190,11 +195,16 @@ def base_and_opts(name: str) -> tuple[str, dict]:
     return name, {**ENGINE_OPTS.get(name, {}), **opts}
 
 
-def switched(fn, switch_s: float | None):
-    """``fn`` run with the interpreter's switch interval at ``switch_s`` (:func:`switch_interval`)."""
+def switched(fn, switch_s: float | None, triton_launch: bool = False):
+    """``fn`` run with the interpreter's switch interval at ``switch_s`` (:func:`switch_interval`),
+    and with Triton's full launch path if ``triton_launch``."""
     def run():
         with switch_interval(switch_s):
-            return fn()
+            tk.FAST_LAUNCH = not triton_launch
+            try:
+                return fn()
+            finally:
+                tk.FAST_LAUNCH = True
     return run
 
 
@@ -213,7 +223,7 @@ def arm_backend(name: str, kernel, dma):
 ARMS = [sys.argv[i + 1] for i, a in enumerate(sys.argv) if a == "--arm"] or list(ALL_ARMS)
 if unknown := [a for a in ARMS if (b := base_and_opts(a)[0]) not in ALL_ARMS and not SIDE.fullmatch(b)]:
     sys.exit(f"unknown --arm {unknown}; use some of {list(ALL_ARMS)}, or 'X backup + Y load' "
-             f"with X and Y each 'dma' or 'kernel@N' (N blocks), any with ', give-way N ms' or ', switch N ms' after it")
+             f"with X and Y each 'dma' or 'kernel@N' (N blocks), any with ', give-way N ms', ', switch N ms' or ', triton launch' after it")
 log = JsonLog(PATH, tokens=TOKENS, cases=["/".join(map(str, c)) for c in CASES])
 
 
@@ -258,7 +268,8 @@ def main() -> None:
         auto = get_backend("auto", dev)
         before = Counter(auto.picks)
         switch = {k: base_and_opts(k)[1].get("switch_s") for k in engines}
-        times = in_turn({k: switched(lambda e=e: measure(case, e, "both", idx, clock, 1), switch[k])
+        slow = {k: base_and_opts(k)[1].get("triton_launch", False) for k in engines}
+        times = in_turn({k: switched(lambda e=e: measure(case, e, "both", idx, clock, 1), switch[k], slow[k])
                          for k, e in engines.items()}, lambda fn: fn(), warmups=1, rounds=3)
         cells = {k: cell(g, limits["backup"]) for k, g in times.items()}
         if "auto" in engines:  # what auto sent each way, exploring included, and its shared samples
@@ -272,7 +283,7 @@ def main() -> None:
                         for c, v in by.items()}
         for k, e in engines.items():  # each arm's pair timeline (ms after the backup call), one more pair
             pl = []
-            switched(lambda e=e: measure(case, e, "both", idx, clock, 1, pl), switch[k])()
+            switched(lambda e=e: measure(case, e, "both", idx, clock, 1, pl), switch[k], slow[k])()
             cells[k]["timeline"] = pair_note(pl)
         log(f"{kind}/{layout}/p{ps}/{slots}/both", cells)
         case.host.close()

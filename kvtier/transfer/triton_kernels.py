@@ -169,6 +169,79 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Launch through the compiled kernel's own launcher once Triton has compiled it for the
+# arguments' specialization (:func:`_launch_copy`); False: Triton's full launch path every call.
+FAST_LAUNCH = True
+_CONST_NAMES = ("TO_BUF", "BUF_LINEAR", "VEC", "BLOCK_R", "BLOCK_W", "COL_TILES", "ONE_TILE", "ORDER")
+_launchers: dict = {}
+
+
+def arg_class(a) -> tuple:
+    """What Triton specializes a kernel on for argument ``a``, or finer: a tensor's dtype and
+    whether its address is a multiple of 16; an int's width, whether it is 1 and whether it is a
+    multiple of 16. Two calls whose arguments agree on these run the same compiled kernel."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    return (a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31), a >= 0)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The least power of two >= ``n`` (1 for ``n <= 1``), as ``triton.next_power_of_2``, which
+    costs a JIT function's call from Python."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """What a copy's launch takes from its placement, word plan and item and layer counts."""
+
+    grid: int
+    ints: tuple    # n_items .. item words: the kernel's int arguments after ``item0``, less ``layer0``
+    consts: tuple  # the constexpr arguments, in ``_CONST_NAMES`` order
+    key: tuple     # consts and the ints' classes (:func:`arg_class`)
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(pl: Placement, word: int, vec: int, n_items: int, n_layers: int, max_blocks: int, to_buf: bool,
+              linear: bool, one_tile: bool, by_layout: bool) -> _Geometry:
+    w = word
+    chunk_words = pl.chunk_bytes // w
+    block_w = min(next_pow2(chunk_words), max(TILE_BYTES // w // 4, 16))
+    block_r = max(1, min(TILE_BYTES // w // block_w, 256))
+    n_rows = n_layers * n_items * pl.n_chunks
+    n_tiles = _cdiv(n_rows, block_r)
+    grid = n_tiles if one_tile else max(1, min(n_tiles, max_blocks))
+    ints = (n_items, n_layers, n_rows, _cdiv(n_tiles, grid), pl.page // w, pl.token // w, pl.layer_stride // w,
+            pl.chunk // w, pl.page_size, pl.n_chunks, chunk_words, pl.item_bytes // w)
+    consts = (to_buf, linear, vec, block_r, block_w, _cdiv(chunk_words, block_w), one_tile,
+              row_order(pl, n_layers) if by_layout else 0)
+    return _Geometry(grid, ints, consts, (consts, tuple(map(arg_class, ints))))
+
+
+def _launch_copy(g: _Geometry, tensors: tuple, item0: int, layer0: int) -> None:
+    """Launch :func:`_copy_items` on the current stream.
+
+    Triton's launch binds, specializes and looks the kernel up on every call (0.1-0.3 ms a
+    call on a slow host, once per DMA chunk). The first call for a specialization (see
+    :func:`arg_class`) goes that way and keeps the compiled kernel; later ones call its
+    launcher with the same arguments, constants included, in the kernel's order.
+    """
+    args = (*tensors, item0, *g.ints[:3], g.ints[3], layer0, *g.ints[4:])
+    if not FAST_LAUNCH or interpreting():
+        _copy_items[(g.grid,)](*args, **dict(zip(_CONST_NAMES, g.consts)), num_warps=NUM_WARPS)
+        return
+    key = (torch.cuda.current_device(), g.key, arg_class(item0), arg_class(layer0), *map(arg_class, tensors))
+    run = _launchers.get(key)
+    if run is None:
+        _launchers[key] = _copy_items[(g.grid,)](*args, **dict(zip(_CONST_NAMES, g.consts)), num_warps=NUM_WARPS)
+        return
+    run[(g.grid, 1, 1)](*args, *g.consts)
+
+
 def copy_items(pl: Placement, buf: torch.Tensor, dev_layers, dev_ptrs: torch.Tensor,
                buf_idx: torch.Tensor | None, dev_idx: torch.Tensor, item0: int, n_items: int,
                layer0: int, n_layers: int, to_buf: bool, max_blocks: int, wp: WordPlan | None = None) -> int:
@@ -188,26 +261,13 @@ def copy_items(pl: Placement, buf: torch.Tensor, dev_layers, dev_ptrs: torch.Ten
         return 0
     wp = wp or WordPlan.for_copy(pl, buf, dev_layers)
     w = wp.word
-    words = buf.numel() // w
-    bview = buf[: words * w].view(_WORD_DTYPES[w])
-    chunk_words = pl.chunk_bytes // w
-    block_w = min(triton.next_power_of_2(chunk_words), max(TILE_BYTES // w // 4, 16))
-    block_r = max(1, min(TILE_BYTES // w // block_w, 256))
-    n_rows = n_layers * n_items * pl.n_chunks
-    n_tiles = triton.cdiv(n_rows, block_r)
     # The interpreter cannot loop over a runtime bound (numpy >= 2.4 refuses
     # int() of its 1-element scalars), so there every program does one tile.
-    one_tile = interpreting()
-    grid = n_tiles if one_tile else max(1, min(n_tiles, max_blocks))
-    _copy_items[(grid,)](
-        dev_ptrs, bview, dev_idx if buf_idx is None else buf_idx, dev_idx, item0, n_items, n_layers, n_rows,
-        triton.cdiv(n_tiles, grid), layer0, pl.page // w, pl.token // w, pl.layer_stride // w, pl.chunk // w, pl.page_size,
-        pl.n_chunks, chunk_words, pl.item_bytes // w,
-        TO_BUF=to_buf, BUF_LINEAR=buf_idx is None, VEC=wp.vec, BLOCK_R=block_r, BLOCK_W=block_w,
-        COL_TILES=triton.cdiv(chunk_words, block_w), ONE_TILE=one_tile,
-        ORDER=row_order(pl, n_layers) if ROW_ORDER_BY_LAYOUT else 0, num_warps=NUM_WARPS,
-    )
-    return grid
+    g = _geometry(pl, w, wp.vec, int(n_items), int(n_layers), int(max_blocks), bool(to_buf), buf_idx is None,
+                  interpreting(), ROW_ORDER_BY_LAYOUT)
+    bview = buf[: buf.numel() // w * w].view(_WORD_DTYPES[w])
+    _launch_copy(g, (dev_ptrs, bview, dev_idx if buf_idx is None else buf_idx, dev_idx), int(item0), int(layer0))
+    return g.grid
 
 
 @triton.jit
