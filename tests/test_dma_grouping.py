@@ -747,3 +747,26 @@ def test_next_pow2_is_tritons(n):
     triton = pytest.importorskip("triton")
     from kvtier.transfer.triton_kernels import next_pow2
     assert next_pow2(n) == triton.next_power_of_2(n)
+
+
+def test_the_launcher_gets_every_argument_in_the_kernels_order():
+    """The kept launcher takes the kernel's arguments by position, constants included: each
+    value lands on the parameter of its name."""
+    pytest.importorskip("triton")
+    import kvtier.transfer.triton_kernels as tk
+    pl = LAYOUTS["page_head"].placement(MHA.components[0], 4, 64, 16)
+    g = tk._geometry(pl, 2, 8, 37, 3, 5, True, False, False, True)
+    names = list(tk._copy_items.arg_names)
+    const = [p.name for p in tk._copy_items.params if p.is_constexpr]
+    assert names[-len(const):] == const == list(tk._CONST_NAMES)
+    tensors = ("dev_ptrs", "buf", "buf_idx", "dev_idx")
+    got = dict(zip(names, (*tk.launch_args(g, tensors, 1001, 1002), *g.consts)))
+    want = {"dev_ptrs": "dev_ptrs", "buf": "buf", "buf_idx": "buf_idx", "dev_idx": "dev_idx", "item0": 1001,
+            "layer0": 1002, "n_items": 37, "n_layers": 3, "n_rows": 3 * 37 * pl.n_chunks,
+            "page": pl.page // 2,
+            "token": pl.token // 2, "layer_stride": pl.layer_stride // 2, "chunk": pl.chunk // 2,
+            "page_size": 16, "n_chunks": pl.n_chunks, "chunk_words": pl.chunk_bytes // 2,
+            "item_words": pl.item_bytes // 2, "TO_BUF": True, "BUF_LINEAR": False, "VEC": 8}
+    assert {k: got[k] for k in want} == want
+    n_tiles = -(-got["n_rows"] // got["BLOCK_R"])
+    assert got["n_tiles"] == -(-n_tiles // g.grid) and g.grid == min(n_tiles, 5)

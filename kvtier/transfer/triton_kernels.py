@@ -222,6 +222,11 @@ def _geometry(pl: Placement, word: int, vec: int, n_items: int, n_layers: int, m
     return _Geometry(grid, ints, consts, (consts, tuple(map(arg_class, ints))))
 
 
+def launch_args(g: _Geometry, tensors: tuple, item0: int, layer0: int) -> tuple:
+    """:func:`_copy_items`'s runtime arguments, in its order (its constexprs follow, as ``g.consts``)."""
+    return (*tensors, item0, *g.ints[:3], g.ints[3], layer0, *g.ints[4:])
+
+
 def _launch_copy(g: _Geometry, tensors: tuple, item0: int, layer0: int) -> None:
     """Launch :func:`_copy_items` on the current stream.
 
@@ -230,7 +235,7 @@ def _launch_copy(g: _Geometry, tensors: tuple, item0: int, layer0: int) -> None:
     :func:`arg_class`) goes that way and keeps the compiled kernel; later ones call its
     launcher with the same arguments, constants included, in the kernel's order.
     """
-    args = (*tensors, item0, *g.ints[:3], g.ints[3], layer0, *g.ints[4:])
+    args = launch_args(g, tensors, item0, layer0)
     if not FAST_LAUNCH or interpreting():
         _copy_items[(g.grid,)](*args, **dict(zip(_CONST_NAMES, g.consts)), num_warps=NUM_WARPS)
         return
