@@ -770,3 +770,14 @@ def test_the_launcher_gets_every_argument_in_the_kernels_order():
     assert {k: got[k] for k in want} == want
     n_tiles = -(-got["n_rows"] // got["BLOCK_R"])
     assert got["n_tiles"] == -(-n_tiles // g.grid) and g.grid == min(n_tiles, 5)
+
+
+@given(lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=300))
+def test_lengths_by_value_is_np_unique_with_inverse(lengths):
+    """The planner's count of run lengths (by counting when they are small) gives np.unique's answer."""
+    from kvtier.transfer.dma_plan import _lengths_by_value
+    a = np.array(lengths, dtype=np.int64)
+    d, inv = _lengths_by_value(a)
+    want_d, want_inv = np.unique(a, return_inverse=True)
+    assert np.array_equal(d, want_d) and np.array_equal(inv, want_inv.reshape(-1))
+    assert np.array_equal(d[inv], a)
