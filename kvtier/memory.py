@@ -20,11 +20,12 @@ RESERVE_ENV = "KVTIER_HOST_RESERVE_GB"
 # The host memory this process may use, where the OS reports less than the machine can take.
 LIMIT_ENV = "KVTIER_HOST_LIMIT_GB"
 
-CGROUP_V2 = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current"))
-CGROUP_V1 = (
-    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
-    Path("/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-)
+# Where the cgroup file systems are mounted, and which cgroups this process is in.
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+# (limit file, usage file, memory.stat key of the reclaimable page cache) per cgroup version.
+_V2 = ("memory.max", "memory.current", "inactive_file")
+_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
 
 
 @dataclass(frozen=True)
@@ -88,17 +89,71 @@ def _read_bytes(path: Path) -> int | None:
     return value if 0 < value < (1 << 60) else None
 
 
-def cgroup_limit_and_usage(
-    v2: tuple[Path, Path] = CGROUP_V2, v1: tuple[Path, Path] = CGROUP_V1
-) -> tuple[int, int] | None:
-    """(limit, usage) of this process's memory cgroup when it constrains us, else None."""
-    for limit_path, usage_path in (v2, v1):
-        limit, usage = _read_bytes(limit_path), _read_bytes(usage_path)
-        if limit is not None and usage is not None:
-            if limit >= psutil.virtual_memory().total:
-                return None
-            return limit, usage
-    return None
+def _own_cgroups(root: Path, proc: Path) -> list[tuple[Path, tuple[str, str, str]]]:
+    """(directory, file names) of this process's memory cgroup under each version that has one
+    mounted, from ``proc`` (``/proc/self/cgroup``): cgroup v2's unified path under ``root``, and
+    v1's memory controller path under ``root/memory``. Where ``proc`` cannot be read, the mounts'
+    roots (as inside a container with its own cgroup namespace)."""
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        lines = []
+    v2 = v1 = "/"
+    for line in lines:
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hier == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return [(_under(root, v2), _V2), (_under(root / "memory", v1), _V1)]
+
+
+def _under(base: Path, path: str) -> Path:
+    """``base`` joined with a cgroup path; the base itself for a path that leaves it (a process
+    outside its namespace's root sees ``/..``)."""
+    parts = [p for p in path.split("/") if p and p != "."]
+    return base if ".." in parts else base.joinpath(*parts)
+
+
+def _page_cache(stat: Path, key: str) -> int:
+    """The reclaimable page cache ``key`` (bytes) in a cgroup's ``memory.stat``, 0 if absent."""
+    try:
+        for line in stat.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cgroup_limit_and_usage(root: Path | None = None, proc: Path | None = None) -> tuple[int, int] | None:
+    """(limit, usage) of the memory cgroup that leaves this process the least room, else None.
+
+    Every level from this process's own cgroup up to the mount's root counts (a parent's limit
+    caps its children's usage together), under cgroup v2 and v1 alike. Usage leaves out the
+    inactive page cache (``memory.stat``), which the kernel reclaims before it runs out, as
+    container runtimes count a working set. Levels with no limit, or one at or above the
+    machine's memory, are passed over.
+    """
+    root = CGROUP_ROOT if root is None else root
+    proc = PROC_CGROUP if proc is None else proc
+    total = psutil.virtual_memory().total
+    best = None
+    for leaf, (limit_name, usage_name, cache_key) in _own_cgroups(root, proc):
+        base = root if limit_name == _V2[0] else root / "memory"
+        d = leaf
+        while True:
+            limit, usage = _read_bytes(d / limit_name), _read_bytes(d / usage_name)
+            if limit is not None and usage is not None and limit < total:
+                usage = max(usage - _page_cache(d / "memory.stat", cache_key), 0)
+                if best is None or limit - usage < best[0] - best[1]:
+                    best = (limit, usage)
+            if d == base or d.parent == d:
+                break
+            d = d.parent
+    return best
 
 
 def host_memory(reserve_bytes: int | None = None) -> HostMemory:

@@ -20,26 +20,76 @@ def write(path, text):
     return path
 
 
+def _machine(monkeypatch, total=64 << 30):
+    monkeypatch.setattr(memory.psutil, "virtual_memory",
+                        lambda: type("VM", (), {"total": total, "available": total - (4 << 30)})())
+
+
+def _cgroup(d, version, limit, usage, inactive=0):
+    """A cgroup directory as the kernel shows it: limit, usage and memory.stat's page cache."""
+    d.mkdir(parents=True, exist_ok=True)
+    names = ("memory.max", "memory.current", "inactive_file") if version == "v2" else \
+        ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    write(d / names[0], str(limit))
+    write(d / names[1], str(usage))
+    write(d / "memory.stat", f"anon 1000\n{names[2]} {inactive}\nactive_file 5\n")
+
+
 @pytest.mark.parametrize("version", ["v2", "v1"])
-def test_cgroup_limit_is_read_from_either_version(tmp_path, version, monkeypatch):
+def test_the_cgroup_limit_is_read_from_the_process_own_cgroup_under_either_version(tmp_path, version, monkeypatch):
+    """The process's cgroup is nested (a systemd service, a container without its own cgroup
+    namespace): its limit is found at its own path, where the mount's root has no limit file."""
+    _machine(monkeypatch)
     limit, usage = 6 << 30, 2 << 30
-    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: type("VM", (), {"total": 64 << 30, "available": 60 << 30})())
-    paths = (write(tmp_path / "max", str(limit)), write(tmp_path / "cur", str(usage)))
-    missing = (tmp_path / "nope1", tmp_path / "nope2")
-    v2, v1 = (paths, missing) if version == "v2" else (missing, paths)
-    assert memory.cgroup_limit_and_usage(v2, v1) == (limit, usage)
-    monkeypatch.setattr(memory, "CGROUP_V2", v2)
-    monkeypatch.setattr(memory, "CGROUP_V1", v1)
-    monkeypatch.setattr(memory, "cgroup_limit_and_usage", lambda: (limit, usage))
+    proc = write(tmp_path / "cgroup", "0::/system.slice/kv.service\n" if version == "v2"
+                 else "5:cpu,cpuacct:/x\n4:memory:/system.slice/kv.service\n0::/\n")
+    base = tmp_path if version == "v2" else tmp_path / "memory"
+    _cgroup(base / "system.slice" / "kv.service", version, limit, usage)
+    assert memory.cgroup_limit_and_usage(tmp_path, proc) == (limit, usage)
+    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(memory, "PROC_CGROUP", proc)
     mem = memory.host_memory(1 << 30)
-    assert mem.cgroup_available == limit - usage - (1 << 30)
+    assert mem.cgroup_limit == limit and mem.cgroup_available == limit - usage - (1 << 30)
     assert mem.available == min(mem.host_available, mem.cgroup_available)
 
 
-@pytest.mark.parametrize("content", ["max", "", "garbage", str(1 << 62)])
-def test_unlimited_cgroup_is_ignored(tmp_path, content):
-    v2 = (write(tmp_path / "max", content), write(tmp_path / "cur", "100"))
-    assert memory.cgroup_limit_and_usage(v2, (tmp_path / "a", tmp_path / "b")) is None
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_the_tightest_level_counts_and_page_cache_is_left_out(tmp_path, version, monkeypatch):
+    """A parent's limit caps its children together: the level with the least room left
+    counts. Inactive page cache, which the kernel reclaims first, is not counted as used."""
+    _machine(monkeypatch)
+    proc = write(tmp_path / "cgroup", "0::/pod/ctr\n" if version == "v2" else "4:memory:/pod/ctr\n")
+    base = tmp_path if version == "v2" else tmp_path / "memory"
+    _cgroup(base / "pod", version, 8 << 30, 7 << 30)                      # 1 GiB left
+    _cgroup(base / "pod" / "ctr", version, 6 << 30, 3 << 30, inactive=1 << 30)  # 4 GiB left
+    assert memory.cgroup_limit_and_usage(tmp_path, proc) == (8 << 30, 7 << 30)
+    _cgroup(base / "pod", version, 8 << 30, 7 << 30, inactive=6 << 30)   # now 7 GiB left there
+    assert memory.cgroup_limit_and_usage(tmp_path, proc) == (6 << 30, 2 << 30)
+
+
+@pytest.mark.parametrize("content", ["max", "", "garbage", str(1 << 62), str(64 << 30)])
+def test_unlimited_cgroup_is_ignored(tmp_path, content, monkeypatch):
+    """No limit, an unreadable one, or one at the machine's memory or above: no cgroup cap."""
+    _machine(monkeypatch)
+    write(tmp_path / "memory.max", content)
+    write(tmp_path / "memory.current", "100")
+    assert memory.cgroup_limit_and_usage(tmp_path, tmp_path / "no-proc-file") is None
+
+
+@pytest.mark.parametrize("listed", ["0::/../..", "0::/"])
+def test_a_path_outside_the_mount_or_no_proc_file_reads_the_mounts_root(tmp_path, listed, monkeypatch):
+    """Inside a container with its own cgroup namespace the mount's root is the container's
+    cgroup; a process outside the namespace's root sees a path with '..', read as the root."""
+    _machine(monkeypatch)
+    _cgroup(tmp_path, "v2", 5 << 30, 1 << 30)
+    for proc in (write(tmp_path / "cgroup", listed + "\n"), tmp_path / "missing"):
+        assert memory.cgroup_limit_and_usage(tmp_path, proc) == (5 << 30, 1 << 30)
+
+
+def test_this_machines_own_cgroups_are_read_without_error():
+    """The real /proc/self/cgroup and mounts of whatever machine runs the tests."""
+    got = memory.cgroup_limit_and_usage()
+    assert got is None or (got[0] > 0 and got[1] >= 0)
 
 
 def test_reserve_from_environment(monkeypatch):
