@@ -734,10 +734,11 @@ def test_the_launch_key_tells_apart_whatever_triton_specializes_an_int_on(a):
     Triton specializes on each (a kernel compiled for a multiple of 16 would be wrong for 17)."""
     pytest.importorskip("triton")
     from kvtier.transfer.triton_kernels import arg_class
-    for b in (1, 16, 17, 2**31, -(2**31) - 1, 0):
+    for b in (1, 16, 17, 2**31, -(2**31) - 1, 0, 2**63, 2**64 - 16):
         if arg_class(a) == arg_class(b):
             assert (a == 1) == (b == 1) and (a % 16 == 0) == (b % 16 == 0)
             assert (-(2**31) <= a < 2**31) == (-(2**31) <= b < 2**31)
+    assert arg_class(2**40) != arg_class(2**63)  # Triton's i64 and u64
     t = torch.zeros(64, dtype=torch.uint8)
     assert arg_class(t[:8]) != arg_class(t[1:9]) != arg_class(t[:8].view(torch.int64))
 
@@ -747,6 +748,21 @@ def test_next_pow2_is_tritons(n):
     triton = pytest.importorskip("triton")
     from kvtier.transfer.triton_kernels import next_pow2
     assert next_pow2(n) == triton.next_power_of_2(n)
+
+
+def test_the_launch_geometry_follows_the_tile_size(monkeypatch):
+    """Probes sweep TILE_BYTES and NUM_WARPS: each setting gets its own blocks and its own kept
+    launcher, not the first setting's from the caches."""
+    pytest.importorskip("triton")
+    import kvtier.transfer.triton_kernels as tk
+    pl = LAYOUTS["layer_first"].placement(MHA.components[0], 4, 4096, 1)
+    wp = tk.WordPlan(8, 2)
+    before = tk.launch_geometry(pl, wp, 1000, 4, 64, True, True)
+    monkeypatch.setattr(tk, "TILE_BYTES", 4 * tk.TILE_BYTES)
+    after = tk.launch_geometry(pl, wp, 1000, 4, 64, True, True)
+    assert after.consts[3] == 4 * before.consts[3] and after.key != before.key
+    monkeypatch.setattr(tk, "ROW_ORDER_BY_LAYOUT", False)
+    assert tk.launch_geometry(pl, wp, 1000, 4, 64, True, True) == after  # layer_first: order 0 either way
 
 
 def test_the_launcher_gets_every_argument_in_the_kernels_order():

@@ -182,7 +182,7 @@ def arg_class(a) -> tuple:
     multiple of 16. Two calls whose arguments agree on these run the same compiled kernel."""
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % 16 == 0)
-    return (a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31), a >= 0)
+    return (a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31), a >= 0, a >= 1 << 63)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -207,11 +207,11 @@ class _Geometry:
 
 @functools.lru_cache(maxsize=4096)
 def _geometry(pl: Placement, word: int, vec: int, n_items: int, n_layers: int, max_blocks: int, to_buf: bool,
-              linear: bool, one_tile: bool, by_layout: bool) -> _Geometry:
+              linear: bool, one_tile: bool, by_layout: bool, tile_bytes: int = TILE_BYTES) -> _Geometry:
     w = word
     chunk_words = pl.chunk_bytes // w
-    block_w = min(next_pow2(chunk_words), max(TILE_BYTES // w // 4, 16))
-    block_r = max(1, min(TILE_BYTES // w // block_w, 256))
+    block_w = min(next_pow2(chunk_words), max(tile_bytes // w // 4, 16))
+    block_r = max(1, min(tile_bytes // w // block_w, 256))
     n_rows = n_layers * n_items * pl.n_chunks
     n_tiles = _cdiv(n_rows, block_r)
     grid = n_tiles if one_tile else max(1, min(n_tiles, max_blocks))
@@ -220,6 +220,20 @@ def _geometry(pl: Placement, word: int, vec: int, n_items: int, n_layers: int, m
     consts = (to_buf, linear, vec, block_r, block_w, _cdiv(chunk_words, block_w), one_tile,
               row_order(pl, n_layers) if by_layout else 0)
     return _Geometry(grid, ints, consts, (consts, tuple(map(arg_class, ints))))
+
+
+def launch_geometry(pl: Placement, wp: WordPlan, n_items: int, n_layers: int, max_blocks: int, to_buf: bool,
+                    linear: bool) -> _Geometry:
+    """:func:`_geometry` under the module's settings as they are now (probes change them)."""
+    return _geometry(pl, wp.word, wp.vec, int(n_items), int(n_layers), int(max_blocks), bool(to_buf), linear,
+                     interpreting(), ROW_ORDER_BY_LAYOUT, TILE_BYTES)
+
+
+def _triton_knobs() -> tuple:
+    """The settings of Triton's own that its kernel cache key holds beside the arguments."""
+    knobs = getattr(triton, "knobs", None)
+    runtime, compilation = getattr(knobs, "runtime", None), getattr(knobs, "compilation", None)
+    return (getattr(runtime, "debug", None), getattr(compilation, "instrumentation_mode", None))
 
 
 def launch_args(g: _Geometry, tensors: tuple, item0: int, layer0: int) -> tuple:
@@ -239,7 +253,8 @@ def _launch_copy(g: _Geometry, tensors: tuple, item0: int, layer0: int) -> None:
     if not FAST_LAUNCH or interpreting():
         _copy_items[(g.grid,)](*args, **dict(zip(_CONST_NAMES, g.consts)), num_warps=NUM_WARPS)
         return
-    key = (torch.cuda.current_device(), g.key, arg_class(item0), arg_class(layer0), *map(arg_class, tensors))
+    key = (torch.cuda.current_device(), NUM_WARPS, _triton_knobs(), g.key, arg_class(item0), arg_class(layer0),
+           *map(arg_class, tensors))
     run = _launchers.get(key)
     if run is None:
         _launchers[key] = _copy_items[(g.grid,)](*args, **dict(zip(_CONST_NAMES, g.consts)), num_warps=NUM_WARPS)
@@ -268,8 +283,7 @@ def copy_items(pl: Placement, buf: torch.Tensor, dev_layers, dev_ptrs: torch.Ten
     w = wp.word
     # The interpreter cannot loop over a runtime bound (numpy >= 2.4 refuses
     # int() of its 1-element scalars), so there every program does one tile.
-    g = _geometry(pl, w, wp.vec, int(n_items), int(n_layers), int(max_blocks), bool(to_buf), buf_idx is None,
-                  interpreting(), ROW_ORDER_BY_LAYOUT)
+    g = launch_geometry(pl, wp, n_items, n_layers, max_blocks, to_buf, buf_idx is None)
     bview = buf[: buf.numel() // w * w].view(_WORD_DTYPES[w])
     _launch_copy(g, (dev_ptrs, bview, dev_idx if buf_idx is None else buf_idx, dev_idx), int(item0), int(layer0))
     return g.grid
