@@ -352,3 +352,20 @@ def test_each_candidate_keeps_its_latest_samples_only():
     assert kept == [10.0 + i for i in range(9 * WINDOW, 10 * WINDOW)]
     assert len(c.pairs[key + (DUPLEX,)]["dma"]) == WINDOW
     assert score(kept) == 10.0 + 10 * WINDOW - 2
+
+
+def test_with_a_kernel_only_partner_a_candidate_never_timed_alone_is_still_tried():
+    """The other way can only use the kernel and this shape was timed alone by DMA only: the
+    kernel is explored under the shared key rather than DMA kept for good, then the better of
+    the two there is taken."""
+    c = OnlineChooser(explore=1)
+    solo = ("shape",)
+    shared = solo + (DUPLEX,)
+    c.record(solo, "dma", 45.0)
+    assert c.pick(shared, ["dma", "kernel"], partner_kernel_only=True) == "dma"  # explored first, in prior order
+    c.record(shared, "dma", 30.0)
+    assert c.pick(shared, ["dma", "kernel"], partner_kernel_only=True) == "kernel"
+    c.record(shared, "kernel", 40.0)
+    assert c.pick(shared, ["dma", "kernel"], partner_kernel_only=True) == "kernel"
+    c.record(solo, "kernel", 50.0)  # now both timed alone: the best alone, as before
+    assert c.pick(shared, ["dma", "kernel"], partner_kernel_only=True) == "kernel"

@@ -121,7 +121,9 @@ class OnlineChooser:
                    or solo[self.when_shared] >= self.shared_margin * max(others))
             if fit and not partner_kernel_only:
                 return self.when_shared
-            if solo:
+            # The best alone, once every candidate has been timed alone; until then they are
+            # explored under the shared key (one timed candidate would be kept for good).
+            if solo and (len(solo) == len(candidates) or not partner_kernel_only):
                 return max(solo, key=solo.get)
         return self._explored_pick(key, candidates)
 
