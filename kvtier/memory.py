@@ -134,8 +134,9 @@ def cgroup_limit_and_usage(root: Path | None = None, proc: Path | None = None) -
     Every level from this process's own cgroup up to the mount's root counts (a parent's limit
     caps its children's usage together), under cgroup v2 and v1 alike. Usage leaves out the
     inactive page cache (``memory.stat``), which the kernel reclaims before it runs out, as
-    container runtimes count a working set. Levels with no limit, or one at or above the
-    machine's memory, are passed over.
+    container runtimes count a working set. Under v2 a level's limit is the lower of
+    ``memory.max`` and ``memory.high``. Levels with no limit, or one at or above the machine's
+    memory, are passed over.
     """
     root = CGROUP_ROOT if root is None else root
     proc = PROC_CGROUP if proc is None else proc
@@ -146,6 +147,10 @@ def cgroup_limit_and_usage(root: Path | None = None, proc: Path | None = None) -
         d = leaf
         while True:
             limit, usage = _read_bytes(d / limit_name), _read_bytes(d / usage_name)
+            if limit_name == _V2[0] and (high := _read_bytes(d / "memory.high")) is not None:
+                # Above memory.high the kernel throttles and reclaims hard, and pinned pages
+                # cannot be reclaimed: it is the limit a pool should stay under.
+                limit = high if limit is None else min(limit, high)
             if limit is not None and usage is not None and limit < total:
                 usage = max(usage - _page_cache(d / "memory.stat", cache_key), 0)
                 if best is None or limit - usage < best[0] - best[1]:

@@ -68,6 +68,19 @@ def test_the_tightest_level_counts_and_page_cache_is_left_out(tmp_path, version,
     assert memory.cgroup_limit_and_usage(tmp_path, proc) == (6 << 30, 2 << 30)
 
 
+def test_memory_high_caps_a_v2_level_as_its_limit(tmp_path, monkeypatch):
+    """cgroup v2's memory.high (the kernel throttles above it) counts as the limit where lower."""
+    _machine(monkeypatch)
+    proc = write(tmp_path / "cgroup", "0::/svc\n")
+    _cgroup(tmp_path / "svc", "v2", 8 << 30, 1 << 30)
+    write(tmp_path / "svc" / "memory.high", str(3 << 30))
+    assert memory.cgroup_limit_and_usage(tmp_path, proc) == (3 << 30, 1 << 30)
+    write(tmp_path / "svc" / "memory.max", "max")          # high alone still caps
+    assert memory.cgroup_limit_and_usage(tmp_path, proc) == (3 << 30, 1 << 30)
+    write(tmp_path / "svc" / "memory.high", "max")
+    assert memory.cgroup_limit_and_usage(tmp_path, proc) is None
+
+
 @pytest.mark.parametrize("content", ["max", "", "garbage", str(1 << 62), str(64 << 30)])
 def test_unlimited_cgroup_is_ignored(tmp_path, content, monkeypatch):
     """No limit, an unreadable one, or one at the machine's memory or above: no cgroup cap."""
