@@ -506,6 +506,36 @@ def test_the_launcher_path_moves_the_bytes_of_tritons_own_launch(layout, monkeyp
     assert 0 < len(tk._launchers) <= 2 * 3 * 4
 
 
+def test_a_launcher_that_refuses_the_arguments_falls_back_to_tritons_launch(monkeypatch):
+    """An older Triton's compiled-kernel launcher takes only the runtime arguments: it refuses
+    ours before launching (TypeError), and the copy goes by Triton's own path from then on."""
+    import kvtier.transfer.triton_kernels as tk
+    from kvtier.layouts import LAYOUTS
+    spec = SPECS["mha_odd"]
+    comp = spec.components[0]
+    pl = LAYOUTS["page_first"].placement(comp, spec.layer_num, 64, 1)
+    dev = torch.randint(0, 256, (spec.layer_num, 64, comp.item_bytes), dtype=torch.uint8, device="cuda")
+    layers = tuple(dev.unbind(0))
+    ptrs = tk.layer_ptr_table(layers, "cuda")
+    h = torch.arange(64, device="cuda")
+    monkeypatch.setattr(tk, "FAST_LAUNCH", True)
+    monkeypatch.setattr(tk, "_launchers", {})
+    want = torch.zeros(pl.total_bytes, dtype=torch.uint8, device="cuda")
+    tk.copy_items(pl, want, layers, ptrs, h, h, 0, 64, 0, spec.layer_num, True, 4)  # keeps the launcher
+
+    class Old:  # a launcher that counts its arguments as those of Triton before 3.3 do
+        def __getitem__(self, grid):
+            def run(*args):
+                raise TypeError(f"function takes exactly 18 arguments ({len(args)} given)")
+            return run
+    (key,) = tk._launchers
+    tk._launchers[key] = Old()
+    got = torch.zeros_like(want)
+    with pytest.warns(RuntimeWarning, match="launching through Triton's own path"):
+        tk.copy_items(pl, got, layers, ptrs, h, h, 0, 64, 0, spec.layer_num, True, 4)
+    assert torch.equal(got, want) and not tk.FAST_LAUNCH and not tk._launchers
+
+
 @pytest.mark.parametrize("layout", ["page_first", "page_head"])
 @pytest.mark.parametrize("group", [0, 1, 3])
 def test_grouped_dma_loads_signal_each_layer_after_its_bytes(layout, group):

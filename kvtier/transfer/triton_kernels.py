@@ -16,6 +16,7 @@ import functools
 import math
 import os
 import threading
+import warnings
 from collections import deque
 from dataclasses import dataclass
 
@@ -249,6 +250,7 @@ def _launch_copy(g: _Geometry, tensors: tuple, item0: int, layer0: int) -> None:
     :func:`arg_class`) goes that way and keeps the compiled kernel; later ones call its
     launcher with the same arguments, constants included, in the kernel's order.
     """
+    global FAST_LAUNCH
     args = launch_args(g, tensors, item0, layer0)
     if not FAST_LAUNCH or interpreting():
         _copy_items[(g.grid,)](*args, **dict(zip(_CONST_NAMES, g.consts)), num_warps=NUM_WARPS)
@@ -259,7 +261,16 @@ def _launch_copy(g: _Geometry, tensors: tuple, item0: int, layer0: int) -> None:
     if run is None:
         _launchers[key] = _copy_items[(g.grid,)](*args, **dict(zip(_CONST_NAMES, g.consts)), num_warps=NUM_WARPS)
         return
-    run[(g.grid, 1, 1)](*args, *g.consts)
+    try:
+        run[(g.grid, 1, 1)](*args, *g.consts)
+    except (TypeError, AttributeError) as err:
+        # A Triton whose launcher takes other arguments (before 3.3 it got only the runtime ones)
+        # refuses them before anything is launched: its own launch path from now on.
+        FAST_LAUNCH = False
+        _launchers.clear()
+        warnings.warn(f"kvtier: Triton {triton.__version__}'s compiled-kernel launcher refused the copy kernel's "
+                      f"arguments ({err}); launching through Triton's own path", RuntimeWarning, stacklevel=2)
+        _copy_items[(g.grid,)](*args, **dict(zip(_CONST_NAMES, g.consts)), num_warps=NUM_WARPS)
 
 
 def copy_items(pl: Placement, buf: torch.Tensor, dev_layers, dev_ptrs: torch.Tensor,
