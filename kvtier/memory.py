@@ -39,6 +39,7 @@ class HostMemory:
     reserve: int
     total: int
     limit: int | None = None  # KVTIER_HOST_LIMIT_GB, bytes, where set
+    cgroup_path: str | None = None  # the cgroup directory whose limit counts, where one does
 
 
 class EnvSettingError(ValueError):
@@ -128,7 +129,16 @@ def _page_cache(stat: Path, key: str) -> int:
     return 0
 
 
-def cgroup_limit_and_usage(root: Path | None = None, proc: Path | None = None) -> tuple[int, int] | None:
+class CgroupRoom(tuple):
+    """``(limit, usage)`` of a cgroup level, with the level's directory as ``path``."""
+
+    def __new__(cls, limit: int, usage: int, path: str):
+        room = super().__new__(cls, (limit, usage))
+        room.path = path
+        return room
+
+
+def cgroup_limit_and_usage(root: Path | None = None, proc: Path | None = None) -> CgroupRoom | None:
     """(limit, usage) of the memory cgroup that leaves this process the least room, else None.
 
     Every level from this process's own cgroup up to the mount's root counts (a parent's limit
@@ -154,7 +164,7 @@ def cgroup_limit_and_usage(root: Path | None = None, proc: Path | None = None) -
             if limit is not None and usage is not None and limit < total:
                 usage = max(usage - _page_cache(d / "memory.stat", cache_key), 0)
                 if best is None or limit - usage < best[0] - best[1]:
-                    best = (limit, usage)
+                    best = CgroupRoom(limit, usage, str(d))
             if d == base or d.parent == d:
                 break
             d = d.parent
@@ -176,7 +186,7 @@ def host_memory(reserve_bytes: int | None = None) -> HostMemory:
         return HostMemory(host, host, None, None, reserve, vm.total, own)
     limit, usage = cg
     cg_avail = max(limit - usage - reserve, 0)
-    return HostMemory(min(host, cg_avail), host, cg_avail, limit, reserve, vm.total, own)
+    return HostMemory(min(host, cg_avail), host, cg_avail, limit, reserve, vm.total, own, getattr(cg, "path", None))
 
 
 POOL_FIX = (f"Shrink the pool (host_size_tokens, host_size in GB, or host_to_device_ratio) or lower the reserve "
@@ -192,6 +202,8 @@ def check_host_memory(requested: int, reserve_bytes: int | None, what: str, fix:
         where = "host limit" if mem.cgroup_available is None or mem.host_available <= mem.cgroup_available else "cgroup limit"
         if where == "host limit" and mem.limit is not None:
             where = f"{LIMIT_ENV}={mem.limit / GB:g} less this process's resident memory"
+        elif where == "cgroup limit" and mem.cgroup_path:
+            where = f"cgroup limit {mem.cgroup_limit / GB:.2f} GB at {mem.cgroup_path}"
         raise MemoryError(
             f"{what} needs {requested / GB:.2f} GB of host memory but only "
             f"{mem.available / GB:.2f} GB is available ({where}, after keeping "

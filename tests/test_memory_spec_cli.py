@@ -46,11 +46,13 @@ def test_the_cgroup_limit_is_read_from_the_process_own_cgroup_under_either_versi
                  else "5:cpu,cpuacct:/x\n4:memory:/system.slice/kv.service\n0::/\n")
     base = tmp_path if version == "v2" else tmp_path / "memory"
     _cgroup(base / "system.slice" / "kv.service", version, limit, usage)
-    assert memory.cgroup_limit_and_usage(tmp_path, proc) == (limit, usage)
+    room = memory.cgroup_limit_and_usage(tmp_path, proc)
+    assert room == (limit, usage) and room.path == str(base / "system.slice" / "kv.service")
     monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path)
     monkeypatch.setattr(memory, "PROC_CGROUP", proc)
     mem = memory.host_memory(1 << 30)
     assert mem.cgroup_limit == limit and mem.cgroup_available == limit - usage - (1 << 30)
+    assert mem.cgroup_path == room.path
     assert mem.available == min(mem.host_available, mem.cgroup_available)
 
 
@@ -64,6 +66,11 @@ def test_the_tightest_level_counts_and_page_cache_is_left_out(tmp_path, version,
     _cgroup(base / "pod", version, 8 << 30, 7 << 30)                      # 1 GiB left
     _cgroup(base / "pod" / "ctr", version, 6 << 30, 3 << 30, inactive=1 << 30)  # 4 GiB left
     assert memory.cgroup_limit_and_usage(tmp_path, proc) == (8 << 30, 7 << 30)
+    assert memory.cgroup_limit_and_usage(tmp_path, proc).path == str(base / "pod")
+    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(memory, "PROC_CGROUP", proc)
+    with pytest.raises(MemoryError, match=f"cgroup limit 8.59 GB at {base / 'pod'}"):
+        memory.check_host_memory(2 << 30, 0, "a pool")
     _cgroup(base / "pod", version, 8 << 30, 7 << 30, inactive=6 << 30)   # now 7 GiB left there
     assert memory.cgroup_limit_and_usage(tmp_path, proc) == (6 << 30, 2 << 30)
 
@@ -204,6 +211,20 @@ def test_info_says_when_the_host_limit_stands_in(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     assert "KVTIER_HOST_LIMIT_GB=123 in place of the OS's available memory" in res.output
     assert json.loads(out.read_text())["host_limit_bytes"] == int(123e9)
+
+
+def test_info_names_the_cgroup_whose_limit_counts(tmp_path, monkeypatch):
+    _machine(monkeypatch)
+    proc = write(tmp_path / "cgroup", "0::/svc/kv\n")
+    _cgroup(tmp_path / "svc", "v2", 6 << 30, 1 << 30)
+    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(memory, "PROC_CGROUP", proc)
+    out = tmp_path / "info.json"
+    res = CliRunner().invoke(main, ["info", "--model", "llama-3-8b", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert f"cgroup limit {(6 << 30) / 1e9:.1f} GB at {tmp_path / 'svc'}" in res.output
+    got = json.loads(out.read_text())
+    assert got["cgroup_path"] == str(tmp_path / "svc") and got["cgroup_limit_bytes"] == 6 << 30
 
 
 def test_info_bad_shape_is_a_usage_error():

@@ -111,7 +111,8 @@ def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_to
         source += f"; {LIMIT_ENV}={mem.limit / GB:g} in place of the OS's available memory"
     click.echo(f"host memory: {mem.total / GB:.1f} GB total, {mem.available / GB:.1f} GB usable "
                f"after a {mem.reserve / GB:.1f} GB reserve ({source}"
-               + (f", cgroup limit {mem.cgroup_limit / GB:.1f} GB" if mem.cgroup_limit else "") + ")")
+               + (f", cgroup limit {mem.cgroup_limit / GB:.1f} GB" if mem.cgroup_limit else "")
+               + (f" at {mem.cgroup_path}" if mem.cgroup_limit and mem.cgroup_path else "") + ")")
     click.echo(f"host tier capacity here: {fits:,} tokens ({fits // page_size:,} pages of {page_size})")
     click.echo(huge_pages_note())
     out = {
@@ -120,7 +121,7 @@ def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_to
         "bytes_per_token_per_layer": {c.name: c.item_bytes for c in spec.components},
         "page_size": page_size, "layouts": rows,
         "host_available_bytes": mem.available, "host_capacity_tokens": fits,
-        "cgroup_limit_bytes": mem.cgroup_limit, "host_limit_bytes": mem.limit,
+        "cgroup_limit_bytes": mem.cgroup_limit, "cgroup_path": mem.cgroup_path, "host_limit_bytes": mem.limit,
         "huge_pages": huge_pages_default(), "transparent_huge_pages": thp_mode(),
     }
     if roundtrip:
