@@ -337,3 +337,54 @@ def test_a_match_made_without_counting_touches_and_backs_up_nothing_until_counte
     cache.count_match(m, len(seq))   # admitted: one hit
     assert node.hits == hits + 1 and cache.metrics.snapshot()["hit_tokens_total.device"] == 8
     cache.unlock(node)
+
+
+def test_asking_for_one_device_page_backs_up_one_leaf_not_the_whole_device():
+    """A demotion started for room counts toward the pages asked for: one page asked, one
+    backup started (before, every unlocked device leaf was backed up, and the host room for
+    those copies was taken by evicting host-only prefixes)."""
+    cache, dev, host, _ = make_cache(page_size=1, dev_pages=8, host_pages=8, held=False, write_policy="write_back")
+
+    def put(seq):
+        cache.insert(seq, cache.alloc_device(len(seq)))
+    for t in range(100, 104):
+        put([t])
+    cache.evict_device(4)                       # 100..103 now host-only
+    backups = cache.engine.stats.backups
+    for t in range(8):
+        put([t])                                # the device full of unlocked leaves, no host copies
+    assert cache.alloc_device(1) is not None
+    assert cache.engine.stats.backups - backups == 1
+    assert cache.metrics.snapshot()["demoted_tokens_total"] == 4 + 1
+    assert [cache.match_prefix([t]).total_len for t in range(100, 104)] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("bad", [-8, 2.5, True, 7, "8"])
+def test_count_match_refuses_a_query_shorter_than_its_match_before_touching_anything(bad):
+    """count_match's n_tokens is the query's length: a negative, fractional, bool or shorter
+    one is refused before the path is touched (a negative one touched it, then raised in the
+    counter; 2.5 counted 0 query tokens against 8 hit tokens)."""
+    cache, dev, host, _ = make_cache(page_size=4, held=False)
+    seq = list(range(8))
+    cache.insert(seq, cache.alloc_device(8))
+    m = cache.match_prefix(seq, lock=True, count=False)
+    hits, before = m.node.hits, cache.metrics.snapshot()
+    with pytest.raises(ValueError, match="n_tokens must be the query's length"):
+        cache.count_match(m, bad)
+    assert m.node.hits == hits and cache.metrics.snapshot() == before
+    cache.count_match(m, 8)
+    assert cache.metrics.snapshot()["query_tokens_total"] == before["query_tokens_total"] + 8
+
+
+def test_a_second_cache_over_a_device_pool_in_use_is_refused():
+    """Each cache hands out its pool's slots from an allocator of its own: a second one over the
+    same pool gave out the slots the first held, and a match of the first then read another
+    prompt's KV. Refused while the first lives; accepted once it is dropped."""
+    cache, dev, host, _ = make_cache(page_size=4, dev_pages=8, host_pages=16, held=False)
+    with pytest.raises(ValueError, match="device_pool already has a HiCache"):
+        HiCache(dev, None, CacheConfig(page_size=4))
+    other = make_device_pool("mha", 32, 4, torch.float32, 2)
+    assert HiCache(other, None, CacheConfig(page_size=4)).alloc_device(4) is not None  # another pool: fine
+    del cache
+    again = HiCache(dev, None, CacheConfig(page_size=4))
+    assert again.alloc_device(4) is not None

@@ -174,18 +174,20 @@ class Tiers:
 
         Victims are unlocked device leaves, in policy order. One with a host
         copy just leaves the device; one the write policy wants kept gets a
-        backup started (it is freed by a later call, once the copy landed);
-        anything else is dropped with its host-only subtree.
+        backup started (it is freed by a later call, once the copy landed, and
+        counts toward ``n_pages`` here, so no more backups start than the
+        pages asked for); anything else is dropped with its host-only subtree.
         """
         victims = Victims(self.eviction.key, self.tree.device_nodes, self.device_evictable)
-        freed = 0
-        while freed < n_pages and (node := victims.pop()) is not None:
+        freed = pending = 0  # pending: pages of the demotions started here, freed once they land
+        while freed + pending < n_pages and (node := victims.pop()) is not None:
             parent = node.parent
             if node.host is not None:
                 freed += self._demoted(node)
             elif (self.engine is not None and self.writer.demote_on_evict(node)
                   and self.start_backup([node], demotion=True)):
                 self.metrics.demoted_tokens.inc(len(node))
+                pending += len(node.device)
                 continue
             else:
                 freed += self.drop_subtree(node)
