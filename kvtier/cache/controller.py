@@ -35,7 +35,8 @@ from .inflight import LOAD, CombinedLayerLoad
 from .metrics import CacheMetrics
 from .policy import make_policies
 from .radix import Node, RadixTree
-from .checks import as_slots, check_namespace, check_pools
+from ..validate import is_int
+from .checks import as_slots, check_namespace, check_pools, claim_device_pool
 from .tiers import REQUEST, TREE, Tiers, concat, tokens_of
 from .types import LoadResult, MatchResult, StorageHook
 
@@ -45,7 +46,8 @@ class HiCache:
 
     ``host_pool=None`` makes a device-only prefix cache. The cache owns the
     device pool's slot allocator (requests get slots from
-    :meth:`alloc_device`), the host pool's allocator, and a transfer engine
+    :meth:`alloc_device`; a second cache over the same pool is refused while
+    this one lives), the host pool's allocator, and a transfer engine
     (``transfer_engine`` overrides the one built from ``config.io_backend``).
     """
 
@@ -53,8 +55,9 @@ class HiCache:
                  storage_hook: StorageHook | None = None, transfer_engine=None):
         config = CacheConfig(page_size=device_pool.page_size) if config is None else config
         check_pools(device_pool, host_pool, config, transfer_engine)
-        self.config = config
         self.device_pool, self.host_pool = device_pool, host_pool
+        claim_device_pool(device_pool, self)
+        self.config = config
         self.page_size = ps = config.page_size
         if host_pool is not None and transfer_engine is None:
             transfer_engine = TransferEngine(host_pool, config.io_backend)
@@ -137,7 +140,12 @@ class HiCache:
     def count_match(self, match: MatchResult, n_tokens: int) -> None:
         """What :meth:`match_prefix` does for a hit, for a match made with ``count=False`` (and
         still locked): the query and its hits counted, the path touched (recency, and the hits
-        that eviction and ``write_through_selective`` go by), its hot device pages backed up."""
+        that eviction and ``write_through_selective`` go by), its hot device pages backed up.
+        ``n_tokens``: the query's length, at least what it matched."""
+        found = match.device_len + match.host_len
+        if not is_int(n_tokens) or n_tokens < found:
+            raise ValueError(f"n_tokens must be the query's length, an integer >= the {found} tokens it matched, "
+                             f"got {n_tokens!r}")
         with self._lock:
             self._check_node(match.node)
             path = self.tree.path_to(match.node)
