@@ -326,6 +326,8 @@ def test_checkpoint_errors(tmp_path):
     ({"n_routed_experts": 8}, "mixture-of-experts"),
     ({"rope_scaling": {"type": "yarn"}}, "rope_scaling"),
     ({"attention_bias": True}, "bias"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope_parameters"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
 ])
 def test_config_from_hf_rejects_unsupported(hf, match):
     base = config_to_hf(small("llama"))
@@ -343,6 +345,15 @@ def test_config_from_hf_rejects_unsupported(hf, match):
 def test_model_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig(**{**SMALL, **kw})
+
+
+def test_rope_theta_is_read_from_transformers_5_rope_parameters():
+    """transformers >= 5 writes rope_parameters in place of rope_theta: read there, theta was
+    silently 10,000 for a Llama-3 checkpoint (500,000); a plain rope_theta still counts."""
+    base = {k: v for k, v in config_to_hf(small("llama")).items() if k != "rope_theta"}
+    assert config_from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}).rope_theta == 5e5
+    assert config_from_hf({**base, "rope_theta": 2e5}).rope_theta == 2e5
+    assert config_from_hf({**base, "hidden_act": "silu"}).kind == "llama"
 
 
 def test_a_sliding_window_checkpoint_is_refused_by_name():

@@ -29,6 +29,15 @@ def config_from_hf(hf: dict, dtype: torch.dtype | str | None = None) -> ModelCon
                          "the reference engine runs dense SwiGLU MLPs only")
     if hf.get("rope_scaling"):
         raise ValueError(f"rope_scaling={hf['rope_scaling']!r} is not implemented; only plain RoPE is")
+    # transformers >= 5 writes the RoPE settings as rope_parameters (theta and scaling together).
+    rope = hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_parameters={rope!r} is not a mapping")
+    if rope.get("rope_type", "default") != "default" or rope.get("type", "default") != "default":
+        raise ValueError(f"rope_parameters={rope!r} is not implemented; only plain RoPE (rope_type 'default') is")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={act!r} is not implemented; the MLPs here are SwiGLU (silu)")
     if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
         raise ValueError(f"sliding_window={hf['sliding_window']!r} is not implemented: every token attends "
                          "to the whole context here, so longer prompts would attend differently")
@@ -39,7 +48,8 @@ def config_from_hf(hf: dict, dtype: torch.dtype | str | None = None) -> ModelCon
     common = dict(
         kind=kind, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"], n_heads=heads, intermediate_size=hf["intermediate_size"],
-        rope_theta=float(hf.get("rope_theta", 10000.0)), rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype=dtype or hf.get("torch_dtype") or "float32",
     )
