@@ -218,3 +218,24 @@ def test_generate_checks_every_prompt_before_queueing_any():
         e.generate([[1, 2, 3], list(range(70))], 5)
     assert not e.has_work()
     assert e.generate([[4, 5]], 2) == engine(model_of("llama"), "none").generate([[4, 5]], 2)
+
+
+@pytest.mark.parametrize("prompt, namespace, match", [
+    ([4, 5, 6], "", "namespace must be a non-empty string"),
+    ([4, 5, 6], None, "namespace must be a non-empty string"),
+    ([1.7, 2, 3], "default", "token ids must be integers, got 1.7"),
+    ([True, 2], "default", "token ids must be integers, got True"),
+])
+def test_a_bad_request_is_refused_when_added_and_the_others_still_finish(prompt, namespace, match):
+    """A bad namespace or a non-integer token id was accepted and raised inside admission at
+    every later step, so no request ever finished; a float id was truncated without a prefix
+    cache (a review, 2026-12-04)."""
+    for mode in ("none", "gpu"):
+        e = engine(model_of("llama"), mode, device_tokens=256)
+        good = e.add_request([1, 2, 3], 4)
+        with pytest.raises(ValueError, match=match):
+            e.add_request(prompt, 4, namespace=namespace)
+        e.run_until_done()
+        assert len(good.output_ids) == 4
+        if mode != "none":
+            assert_all_released(e)

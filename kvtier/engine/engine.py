@@ -17,6 +17,7 @@ import torch
 from ..device_pool import pool_from_spec
 from ..host_pool import host_pool_for
 from ..memory import check_host_memory
+from ..validate import is_int
 from .checkpoint import checkpoint_config, load_checkpoint, random_model
 from .config import EngineConfig, ModelConfig
 from .kv_manager import NoPrefixCache, PrefixCache
@@ -111,14 +112,19 @@ class Engine:
 
     def _request(self, prompt: list[int], max_new_tokens: int, namespace: str = "default") -> Sequence:
         """A checked request, not yet queued: a clear error for a bad one, nothing changed."""
-        if not prompt:
+        if not len(prompt):
             raise ValueError("a prompt needs at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if not isinstance(namespace, str) or not namespace:
+            raise ValueError(f"namespace must be a non-empty string, got {namespace!r}")
+        if wrong := [t for t in prompt if not is_int(t)]:
+            raise ValueError(f"token ids must be integers, got {wrong[0]!r} ({type(wrong[0]).__name__})")
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+        prompt = [int(t) for t in prompt]
         seq = Sequence(prompt, max_new_tokens, namespace)
         self.scheduler.check(seq)
         return seq
