@@ -74,7 +74,7 @@ def _warm_up(model, o: dict) -> None:
     from .engine import Engine
 
     cfg = _engine_config(o, "none")
-    n = min(512, cfg.device_tokens // 2)
+    n = max(1, min(512, cfg.device_tokens // 2))
     Engine(model, cfg).generate([[i % model.config.vocab_size for i in range(n)]], max_new_tokens=2)
 
 
@@ -93,10 +93,18 @@ def _checked(o: dict, modes: tuple[str, ...]):
         if o["checkpoint"]:
             mcfg = checkpoint_config(o["checkpoint"], mcfg.dtype)
         cfgs = [_engine_config(o, m) for m in modes]
-        Workload(clients=o["clients"], rounds=o["rounds"], system_tokens=o["system_tokens"],
-                 user_tokens=o["user_tokens"], output_tokens=o["output_tokens"], vocab_size=mcfg.vocab_size)
+        wl = Workload(clients=o["clients"], rounds=o["rounds"], system_tokens=o["system_tokens"],
+                      user_tokens=o["user_tokens"], output_tokens=o["output_tokens"], vocab_size=mcfg.vocab_size)
     except (ValueError, FileNotFoundError) as e:
         raise click.UsageError(str(e)) from None
+    # The last round's request (every earlier turn in its prompt) must fit the device pool alone.
+    need = wl.longest_prompt() + o["output_tokens"] - 1
+    holds = o["device_tokens"] // o["page_size"] * o["page_size"]
+    if need > holds:
+        raise click.UsageError(
+            f"the workload's longest request needs {need} token slots (its prompt of {wl.longest_prompt()} tokens "
+            f"+ --output-tokens {o['output_tokens']} - 1) but --device-tokens {o['device_tokens']} holds {holds} "
+            f"at --page-size {o['page_size']}; raise --device-tokens, or lower --rounds or the turn lengths")
     kv = mcfg.kv_spec()
     check_engine_flags(o["device"], o["layout"] if "tiers" in modes else None, kv.kind,
                        [c.io_backend for c in cfgs if c.prefix_cache != "none"])
@@ -157,7 +165,7 @@ def compare_outputs(outputs: dict) -> tuple[bool, str]:
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
 @click.option("--modes", default=",".join(ALL_MODES), show_default=True, help="comma-separated subset of none,gpu,tiers")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--json", "json_path", type=OUTPUT_PATH, default=None, help="write results as JSON")
 @click.option("--plot", "plot_path", type=OUTPUT_PATH, default="kvtier-demo-ttft.png",
               show_default=True, help="PNG of TTFT by round per mode ('' for none)")

@@ -57,6 +57,9 @@ def test_demo_rejects_bad_flags_before_running(tmp_path):
     (["--plot", "/nonexistent-dir/x.png"], "'/nonexistent-dir' does not exist"),
     (["--host-tokens", str(10**12)], "the host pool needs"),
     (["--device-tokens", str(10**11)], "Lower --device-tokens."),
+    (["--rounds", "40"], "the workload's longest request needs"),
+    (["--device-tokens", "1", "--page-size", "1"], "raise --device-tokens"),
+    (["--dtype", "fp8"], "FP8 is a KV cache format"),
 ])
 def test_every_bad_demo_flag_fails_before_any_work(args, match):
     """A review found these ran the first mode in full (or built the model) before a traceback."""
@@ -95,7 +98,11 @@ def test_bench_flags_fail_before_any_work(tmp_path):
                         (["bench", "transfer", "--backend", "foo"], "unknown backend 'foo'"),
                         (["bench", "alloc", "--json", str(tmp_path)], "is a directory"),
                         (["bench", "cache", "--json", "/nonexistent-dir/c.json"], "does not exist"),
-                        (["info", "--json", "/nonexistent-dir/i.json"], "does not exist")):
+                        (["info", "--json", "/nonexistent-dir/i.json"], "does not exist"),
+                        (["bench", "ttft", "--model", "tiny", "--io-backends", ","], "names no io backend"),
+                        (["bench", "ttft", "--model", "tiny", "--seed", str(10**23)], "'--seed'"),
+                        (["bench", "cache", "--seed", "-1"], "'--seed'"),
+                        (["demo", "--seed", str(10**23)], "'--seed'")):
         res = runner.invoke(main, args)
         assert res.exit_code == 2 and match in res.output, (args, res.output)
 

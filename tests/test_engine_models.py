@@ -328,11 +328,12 @@ def test_checkpoint_errors(tmp_path):
     ({"attention_bias": True}, "bias"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope_parameters"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"vocab_size": None}, r"config.json lacks \['vocab_size'\]"),
 ])
 def test_config_from_hf_rejects_unsupported(hf, match):
     base = config_to_hf(small("llama"))
     with pytest.raises(ValueError, match=match):
-        config_from_hf({**base, **hf})
+        config_from_hf({k: v for k, v in {**base, **hf}.items() if v is not None})
 
 
 @pytest.mark.parametrize("kw, match", [

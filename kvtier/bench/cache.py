@@ -185,7 +185,7 @@ def verdict(rows: list[Row], page_size: int, budget_us: float) -> None:
 @click.option("--prompts", default="4096,8192,32768", show_default=True, help="Prompt lengths matched at each size.")
 @click.option("--page-size", default=64, show_default=True, type=int)
 @click.option("--repeats", default=50, show_default=True, type=int, help="Timed matches per row (median).")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--budget-us", default=200.0, show_default=True, help="Acceptance: 32k-token match time at the largest size.")
 @click.option("--json", "json_path", type=OUTPUT_PATH, help="Write the rows here.")
 def cache(sizes, prompts, page_size, repeats, seed, budget_us, json_path):

@@ -221,7 +221,7 @@ def table(doc: dict) -> str:
               help="comma-separated: default (the transfer engine's choice), direct, kernel, dma, auto")
 @click.option("--layout", default="layer_first", show_default=True)
 @click.option("--page-size", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--inputs", type=click.Choice(INPUT_COPIES), default="sms", show_default=True,
               help="how the engine copies each step's inputs to the GPU (EngineConfig.inputs): sms, or "
                    "pinned / pageable copy-engine copies, to see what an engine that copies them so gets")
@@ -240,6 +240,9 @@ def ttft(model_name, contexts, new_tokens, repeats, device, io_backends, layout,
                                  param_hint="--contexts")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     backends = [None if b.strip() == "default" else b.strip() for b in io_backends.split(",") if b.strip()]
+    if not backends:
+        raise click.BadParameter(f"{io_backends!r} names no io backend; give one or more, comma-separated "
+                                 "(default, direct, kernel, dma, auto)", param_hint="--io-backends")
     check_engine_flags(device, layout, MODELS[model_name]().kv_spec().kind, backends, "--io-backends")
     try:
         doc = run(model_name, lengths, new_tokens, repeats, device, backends, layout, page_size, seed, inputs=inputs)

@@ -44,6 +44,11 @@ def config_from_hf(hf: dict, dtype: torch.dtype | str | None = None) -> ModelCon
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("attention_bias / mlp_bias are not implemented (the models have no biases)")
     kind = HF_TYPES[mtype]
+    need = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"]
+    if kind != LLAMA:
+        need += ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+    if missing := [k for k in need if k not in hf]:
+        raise ValueError(f"config.json lacks {missing} (model_type {mtype!r} needs them)")
     heads = hf["num_attention_heads"]
     common = dict(
         kind=kind, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],

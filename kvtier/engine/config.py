@@ -48,6 +48,9 @@ class ModelConfig:
         if self.kind not in MODEL_KINDS:
             raise ValueError(f"unknown model kind {self.kind!r}; use one of {MODEL_KINDS}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if not self.dtype.is_floating_point or self.dtype.itemsize < 2:
+            raise ValueError(f"the model's dtype must be float32, bfloat16 or float16, got {self.dtype} "
+                             "(FP8 is a KV cache format, not one the reference models compute in)")
         for f in ("vocab_size", "hidden_size", "n_layers", "n_heads", "intermediate_size"):
             require_positive_int(f, getattr(self, f))
         if self.kind == LLAMA:
