@@ -196,3 +196,12 @@ def test_a_bad_environment_variable_is_a_usage_error_named_before_any_work(monke
 def test_shape_flags_that_do_not_fit_the_kind_are_named(args, match):
     res = CliRunner().invoke(main, ["info", *args])
     assert res.exit_code == 2 and match in res.output, res.output
+
+
+def test_bench_ttft_shows_and_checks_that_a_host_hit_gives_the_same_first_token(tmp_path):
+    """bench ttft compared the first tokens of host hits with recomputing's but neither showed
+    nor failed on it (a review, 2026-12-04): now a column, and a mismatch fails the command."""
+    res = CliRunner().invoke(main, ["bench", "ttft", "--model", "tiny", "--contexts", "64", "--new-tokens", "4",
+                                    "--repeats", "2", "--page-size", "16", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "same first token |" in res.output and "| 2/2 |" in res.output

@@ -143,7 +143,7 @@ def _row(mcfg, L: int, new: int, limit: float, backend: str, recompute: list[flo
         "speedup": r / h, "bound_s": bound,
         "load_gbps_effective": kv_bytes / max(h - d, 1e-9) / 1e9,
         "prefill_tflops": prefill_flops(mcfg, L + new) / r / 1e12,
-        "first_tokens_equal": same,
+        "first_tokens_equal": same, "first_tokens_compared": len(hits["outputs"]),
         "pass_10x": r >= 10 * h, "pass_bound": h <= bound,
         "samples": {"recompute": recompute, "host_hit": hits["host"], "device_hit": hits["device"]},
     }
@@ -196,14 +196,16 @@ def _line(r: dict) -> str:
 
 
 def table(doc: dict) -> str:
-    head = "| context | new | io backend | recompute TTFT | prefill TFLOP/s | host-hit TTFT | device-hit TTFT | speedup | bound | copy limit | 10x | bound ok |"
+    head = ("| context | new | io backend | recompute TTFT | prefill TFLOP/s | host-hit TTFT | device-hit TTFT | "
+            "speedup | bound | copy limit | 10x | bound ok | same first token |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in doc["rows"]:
         lines.append(
             f"| {r['context_tokens']:,} | {r['new_tokens']} | {r['io_backend']} | {r['recompute_ttft_s'] * 1e3:.1f} ms | "
             f"{r['prefill_tflops']:.3g} | {r['host_hit_ttft_s'] * 1e3:.1f} ms | {r['device_hit_ttft_s'] * 1e3:.1f} ms | "
             f"{r['speedup']:.1f}x | {r['bound_s'] * 1e3:.1f} ms | {r['copy_limit_gbps']:.1f} GB/s | "
-            f"{'yes' if r['pass_10x'] else 'NO'} | {'yes' if r['pass_bound'] else 'NO'} |")
+            f"{'yes' if r['pass_10x'] else 'NO'} | {'yes' if r['pass_bound'] else 'NO'} | "
+            f"{r['first_tokens_equal']}/{r.get('first_tokens_compared', '?')} |")
     return "\n".join(lines)
 
 
@@ -254,3 +256,8 @@ def ttft(model_name, contexts, new_tokens, repeats, device, io_backends, layout,
         with open(json_path, "w") as f:
             json.dump(doc, f, indent=2, default=str)
         click.echo(f"json: {json_path}")
+    differ = [r for r in doc["rows"] if r["first_tokens_equal"] != r["first_tokens_compared"]]
+    if differ:
+        raise click.ClickException(
+            f"a host hit's first token differs from recomputing's in {len(differ)} row(s) (context "
+            f"{differ[0]['context_tokens']:,}, {differ[0]['io_backend']}): the cache changed the output")
