@@ -357,6 +357,24 @@ def test_rope_theta_is_read_from_transformers_5_rope_parameters():
     assert config_from_hf({**base, "hidden_act": "silu"}).kind == "llama"
 
 
+def test_a_sharded_checkpoint_loads_the_files_its_index_names_only(tmp_path):
+    """A Hugging Face directory may hold the same weights twice (Mistral's consolidated.safetensors
+    beside the shards, under other tensor names): with model.safetensors.index.json only the
+    files it names are read (every *.safetensors was, and the directory was refused)."""
+    model = random_model(small("llama"), 0)
+    d = _hf_dir(tmp_path / "ckpt", model)
+    shards = sorted(p.name for p in d.glob("model-*.safetensors"))
+    from safetensors.torch import load_file
+    weight_map = {k: f for f in shards for k in load_file(str(d / f))}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_file({"tok_embeddings.weight": torch.zeros(4, 4)}, str(d / "consolidated.safetensors"))
+    loaded = load_checkpoint(d)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    (d / shards[1]).unlink()
+    with pytest.raises(FileNotFoundError, match="names files that are not in"):
+        load_checkpoint(d)
+
+
 def test_a_sliding_window_checkpoint_is_refused_by_name():
     """Mistral's first models attend within a 4,096-token window; the engine attends to the whole
     context, so it refuses them rather than run them differently (a review, 2026-12-04)."""

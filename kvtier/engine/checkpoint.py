@@ -111,6 +111,22 @@ def _hf_config(path: Path) -> dict:
     return json.loads(cfg_file.read_text())
 
 
+def checkpoint_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint directory: those its ``model.safetensors.index.json``
+    names where it has one (a directory may also hold the same weights in another layout,
+    such as Mistral's ``consolidated.safetensors``), else every ``*.safetensors``."""
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        return sorted(path.glob("*.safetensors"))
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{index} is not a safetensors index (a 'weight_map' of tensor -> file): {err}") from None
+    if missing := [n for n in names if not (path / n).is_file()]:
+        raise FileNotFoundError(f"{index} names files that are not in {path}: {missing[:3]}")
+    return [path / n for n in names]
+
+
 def load_checkpoint(path: str | Path, device="cpu", dtype=None, **build) -> CausalLM:
     """The model in a local Hugging Face-format directory (``config.json`` + ``*.safetensors``).
 
@@ -121,7 +137,7 @@ def load_checkpoint(path: str | Path, device="cpu", dtype=None, **build) -> Caus
     path = Path(path)
     hf = _hf_config(path)
     cfg = config_from_hf(hf, dtype)
-    files = sorted(path.glob("*.safetensors"))
+    files = checkpoint_files(path)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
