@@ -182,6 +182,9 @@ def demo(**o) -> None:
     source = f"checkpoint {o['checkpoint']}" if o["checkpoint"] else o["model"]
     click.echo(f"model: {source} ({mcfg.kv_spec().describe()}), {o['clients']} clients x {o['rounds']} rounds, "
                f"device pool {o['device_tokens']} tokens, host pool {o['host_tokens']} tokens")
+    if o["device"] == "cpu" and str(mcfg.dtype) != "torch.float32" and len(modes) > 1:
+        click.echo(f"note: {mcfg.dtype} on the CPU is not exact (fp32 is: its attention accumulates in float64), "
+                   "so a prefix hit may round differently from recomputing and the modes' outputs may differ")
     t0 = time.perf_counter()
     summaries, outputs = run_modes(o, modes, progress=not o["no_progress"])
     same, detail = compare_outputs(outputs)

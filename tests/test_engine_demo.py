@@ -205,3 +205,9 @@ def test_bench_ttft_shows_and_checks_that_a_host_hit_gives_the_same_first_token(
                                     "--repeats", "2", "--page-size", "16", "--device", "cpu"])
     assert res.exit_code == 0, res.output
     assert "same first token |" in res.output and "| 2/2 |" in res.output
+
+
+def test_the_demo_says_up_front_that_bf16_on_the_cpu_is_not_exact():
+    res = CliRunner().invoke(main, ["demo", *TINY, "--dtype", "bf16", "--modes", "none,gpu", "--plot", ""])
+    assert "note: torch.bfloat16 on the CPU is not exact" in res.output, res.output
+    assert res.output.index("note:") < res.output.index("outputs identical")
