@@ -51,19 +51,14 @@ def check_pools(device_pool, host_pool, config, engine) -> None:
         raise ValueError("transfer_engine given without a host_pool; a device-only cache moves nothing")
 
 
-# Device pool (by id) -> the cache that owns its slots, weakly: a pool's slots have one allocator.
-_owners: dict[int, weakref.ref] = {}
-
-
 def claim_device_pool(device_pool, cache) -> None:
-    """Make ``cache`` the owner of ``device_pool``'s slots; raise if another live cache owns them
-    (two allocators would hand out the same slots, and one cache's KV would overwrite the other's)."""
-    key = id(device_pool)
-    ref = _owners.get(key)
-    if ref is not None and ref() is not None and getattr(ref(), "device_pool", None) is device_pool:
+    """Make ``cache`` the owner of ``device_pool``'s slots (a weak reference on the pool); raise
+    if another live cache owns them (two allocators would hand out the same slots, and one
+    cache's KV would overwrite the other's)."""
+    prior = getattr(device_pool, "_kvtier_cache", None)
+    if prior is not None and prior() is not None:
         gc.collect()  # a cache dropped by its caller may wait for the cycle collector
-        owner = ref()
-        if owner is not None and owner is not cache:
+        if prior() is not None:
             raise ValueError("device_pool already has a HiCache that hands out its slots; use that cache, or drop it "
                              "(del it) before building another over the same pool, or build a new device pool")
-    _owners[key] = weakref.ref(cache, lambda _, key=key: _owners.pop(key, None))
+    device_pool._kvtier_cache = weakref.ref(cache)
