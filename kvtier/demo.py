@@ -85,6 +85,7 @@ def _checked(o: dict, modes: tuple[str, ...]):
     from .commands import check_engine_flags
     from .engine.checkpoint import checkpoint_config
     from .engine.engine import check_weights_fit
+    from .engine.scheduler import slots_needed
     from .engine.workload import Workload
     from .memory import check_host_memory, resolve_huge_pages
 
@@ -98,7 +99,7 @@ def _checked(o: dict, modes: tuple[str, ...]):
     except (ValueError, FileNotFoundError) as e:
         raise click.UsageError(str(e)) from None
     # The last round's request (every earlier turn in its prompt) must fit the device pool alone.
-    need = wl.longest_prompt() + o["output_tokens"] - 1
+    need = slots_needed(wl.longest_prompt(), o["output_tokens"])
     holds = o["device_tokens"] // o["page_size"] * o["page_size"]
     if need > holds:
         raise click.UsageError(
@@ -172,6 +173,7 @@ def compare_outputs(outputs: dict) -> tuple[bool, str]:
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def demo(**o) -> None:
     """Serve a multi-turn chat workload three ways and compare (CPU, 1-2 minutes)."""
+    from .engine.engine import exact_mode
     from .engine.report import MODE_TITLES, plot, table
 
     modes = tuple(m.strip() for m in o["modes"].split(",") if m.strip())
@@ -182,7 +184,7 @@ def demo(**o) -> None:
     source = f"checkpoint {o['checkpoint']}" if o["checkpoint"] else o["model"]
     click.echo(f"model: {source} ({mcfg.kv_spec().describe()}), {o['clients']} clients x {o['rounds']} rounds, "
                f"device pool {o['device_tokens']} tokens, host pool {o['host_tokens']} tokens")
-    if o["device"] == "cpu" and str(mcfg.dtype) != "torch.float32" and len(modes) > 1:
+    if o["device"] == "cpu" and not exact_mode(mcfg, _engine_config(o, modes[0])) and len(modes) > 1:
         click.echo(f"note: {mcfg.dtype} on the CPU is not exact (fp32 is: its attention accumulates in float64), "
                    "so a prefix hit may round differently from recomputing and the modes' outputs may differ")
     t0 = time.perf_counter()

@@ -43,6 +43,12 @@ def _prefix_cache(pool, cfg: EngineConfig, engine: "Engine"):
     return PrefixCache(cache, advise=engine.prefill_seconds_per_token if cfg.use_advisor else None)
 
 
+def exact_mode(model_cfg: ModelConfig, config: EngineConfig) -> bool:
+    """Whether the engine runs bit-exact (attention accumulated in float64): fp32 on the CPU,
+    unless ``config.exact`` is off. Then a prefix hit gives the tokens recomputing does."""
+    return config.exact and model_cfg.dtype == torch.float32 and torch.device(config.device).type == "cpu"
+
+
 def make_model(model_cfg: ModelConfig, config: EngineConfig, seed: int = 0,
                checkpoint: str | None = None) -> CausalLM:
     """The model an engine of ``config`` runs: attention and accumulation chosen for its device."""
@@ -50,8 +56,7 @@ def make_model(model_cfg: ModelConfig, config: EngineConfig, seed: int = 0,
     attention = config.attention
     if attention == "auto":
         attention = "sdpa" if dev.type == "cuda" else "reference"
-    exact = config.exact and model_cfg.dtype == torch.float32 and dev.type == "cpu"
-    acc = torch.float64 if exact else None
+    acc = torch.float64 if exact_mode(model_cfg, config) else None
     if checkpoint:
         if dev.type == "cpu":  # its tensors and the model's, both held while it loads
             check_weights_fit(checkpoint_config(checkpoint, model_cfg.dtype), copies=2)

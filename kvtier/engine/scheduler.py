@@ -50,7 +50,7 @@ class Scheduler:
     def check(self, seq: Sequence) -> None:
         """Raise if ``seq`` could never run here. The last generated token is never fed back:
         it needs no KV slot."""
-        need = seq.num_tokens + seq.max_new_tokens - 1
+        need = slots_needed(seq.num_tokens, seq.max_new_tokens)
         if need > self.kv.capacity:
             raise ValueError(
                 f"request {seq.req_id} needs {need} token slots (prompt {seq.num_tokens} + "
@@ -130,3 +130,9 @@ class Scheduler:
                 finished.append(seq)
                 self._blocked = False
         return finished
+
+
+def slots_needed(prompt_tokens: int, max_new_tokens: int) -> int:
+    """Device slots a request holds at most: its prompt and every generated token but the last,
+    which is never fed back."""
+    return prompt_tokens + max_new_tokens - 1
