@@ -28,3 +28,9 @@ def require_int_at_least(name: str, value, low: int) -> None:
     """``value`` must be an integer >= ``low`` (Python or numpy; bools are refused)."""
     if not is_int(value) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def check_namespace(namespace) -> None:
+    """A cache namespace: a non-empty string."""
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError(f"namespace must be a non-empty string, got {namespace!r}")

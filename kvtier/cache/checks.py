@@ -26,11 +26,6 @@ def as_slots(values) -> np.ndarray:
     return arr
 
 
-def check_namespace(namespace) -> None:
-    if not isinstance(namespace, str) or not namespace:
-        raise ValueError(f"namespace must be a non-empty string, got {namespace!r}")
-
-
 def check_pools(device_pool, host_pool, config, engine) -> None:
     if not isinstance(config, CacheConfig):
         raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")

@@ -35,8 +35,8 @@ from .inflight import LOAD, CombinedLayerLoad
 from .metrics import CacheMetrics
 from .policy import make_policies
 from .radix import Node, RadixTree
-from ..validate import is_int
-from .checks import as_slots, check_namespace, check_pools, claim_device_pool
+from ..validate import check_namespace, is_int
+from .checks import as_slots, check_pools, claim_device_pool
 from .tiers import REQUEST, TREE, Tiers, concat, tokens_of
 from .types import LoadResult, MatchResult, StorageHook
 

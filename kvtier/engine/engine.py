@@ -17,7 +17,7 @@ import torch
 from ..device_pool import pool_from_spec
 from ..host_pool import host_pool_for
 from ..memory import check_host_memory
-from ..validate import is_int
+from ..validate import check_namespace, is_int
 from .checkpoint import checkpoint_config, load_checkpoint, random_model
 from .config import EngineConfig, ModelConfig
 from .kv_manager import NoPrefixCache, PrefixCache
@@ -121,8 +121,7 @@ class Engine:
             raise ValueError("a prompt needs at least one token")
         if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if not isinstance(namespace, str) or not namespace:
-            raise ValueError(f"namespace must be a non-empty string, got {namespace!r}")
+        check_namespace(namespace)
         if wrong := [t for t in prompt if not is_int(t)]:
             raise ValueError(f"token ids must be integers, got {wrong[0]!r} ({type(wrong[0]).__name__})")
         vocab = self.model.config.vocab_size
