@@ -90,9 +90,9 @@ def _read_bytes(path: Path) -> int | None:
     return value if 0 < value < (1 << 60) else None
 
 
-def _own_cgroups(root: Path, proc: Path) -> list[tuple[Path, tuple[str, str, str]]]:
-    """(directory, file names) of this process's memory cgroup under each version that has one
-    mounted, from ``proc`` (``/proc/self/cgroup``): cgroup v2's unified path under ``root``, and
+def _own_cgroups(root: Path, proc: Path) -> list[tuple[Path, Path, tuple[str, str, str]]]:
+    """(directory, its mount's root, file names) of this process's memory cgroup under each
+    version, from ``proc`` (``/proc/self/cgroup``): cgroup v2's unified path under ``root``, and
     v1's memory controller path under ``root/memory``. Where ``proc`` cannot be read, the mounts'
     roots (as inside a container with its own cgroup namespace)."""
     try:
@@ -107,7 +107,7 @@ def _own_cgroups(root: Path, proc: Path) -> list[tuple[Path, tuple[str, str, str
             v2 = path
         elif "memory" in controllers.split(","):
             v1 = path
-    return [(_under(root, v2), _V2), (_under(root / "memory", v1), _V1)]
+    return [(_under(root, v2), root, _V2), (_under(root / "memory", v1), root / "memory", _V1)]
 
 
 def _under(base: Path, path: str) -> Path:
@@ -152,12 +152,12 @@ def cgroup_limit_and_usage(root: Path | None = None, proc: Path | None = None) -
     proc = PROC_CGROUP if proc is None else proc
     total = psutil.virtual_memory().total
     best = None
-    for leaf, (limit_name, usage_name, cache_key) in _own_cgroups(root, proc):
-        base = root if limit_name == _V2[0] else root / "memory"
+    for leaf, base, names in _own_cgroups(root, proc):
+        limit_name, usage_name, cache_key = names
         d = leaf
         while True:
             limit, usage = _read_bytes(d / limit_name), _read_bytes(d / usage_name)
-            if limit_name == _V2[0] and (high := _read_bytes(d / "memory.high")) is not None:
+            if names is _V2 and (high := _read_bytes(d / "memory.high")) is not None:
                 # Above memory.high the kernel throttles and reclaims hard, and pinned pages
                 # cannot be reclaimed: it is the limit a pool should stay under.
                 limit = high if limit is None else min(limit, high)
