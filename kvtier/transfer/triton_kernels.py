@@ -242,6 +242,11 @@ def launch_args(g: _Geometry, tensors: tuple, item0: int, layer0: int) -> tuple:
     return (*tensors, item0, *g.ints[:3], g.ints[3], layer0, *g.ints[4:])
 
 
+def _triton_launch(g: _Geometry, args: tuple):
+    """Launch through Triton's own path (bind, specialize, look up); returns the compiled kernel."""
+    return _copy_items[(g.grid,)](*args, **dict(zip(_CONST_NAMES, g.consts)), num_warps=NUM_WARPS)
+
+
 def _launch_copy(g: _Geometry, tensors: tuple, item0: int, layer0: int) -> None:
     """Launch :func:`_copy_items` on the current stream.
 
@@ -253,13 +258,13 @@ def _launch_copy(g: _Geometry, tensors: tuple, item0: int, layer0: int) -> None:
     global FAST_LAUNCH
     args = launch_args(g, tensors, item0, layer0)
     if not FAST_LAUNCH or interpreting():
-        _copy_items[(g.grid,)](*args, **dict(zip(_CONST_NAMES, g.consts)), num_warps=NUM_WARPS)
+        _triton_launch(g, args)
         return
     key = (torch.cuda.current_device(), NUM_WARPS, _triton_knobs(), g.key, arg_class(item0), arg_class(layer0),
            *map(arg_class, tensors))
     run = _launchers.get(key)
     if run is None:
-        _launchers[key] = _copy_items[(g.grid,)](*args, **dict(zip(_CONST_NAMES, g.consts)), num_warps=NUM_WARPS)
+        _launchers[key] = _triton_launch(g, args)
         return
     try:
         run[(g.grid, 1, 1)](*args, *g.consts)
@@ -270,7 +275,7 @@ def _launch_copy(g: _Geometry, tensors: tuple, item0: int, layer0: int) -> None:
         _launchers.clear()
         warnings.warn(f"kvtier: Triton {triton.__version__}'s compiled-kernel launcher refused the copy kernel's "
                       f"arguments ({err}); launching through Triton's own path", RuntimeWarning, stacklevel=2)
-        _copy_items[(g.grid,)](*args, **dict(zip(_CONST_NAMES, g.consts)), num_warps=NUM_WARPS)
+        _triton_launch(g, args)
 
 
 def copy_items(pl: Placement, buf: torch.Tensor, dev_layers, dev_ptrs: torch.Tensor,
