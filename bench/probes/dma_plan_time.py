@@ -10,6 +10,10 @@ Outcome on the CI-like CPU: MHA page_first page 1, backup: 1.1 ms of plans, 20 m
 2026-12-04, same CPU, in turn three times each: MHA page_head page 1 backup, chunks 5.9 ms with
 the lengths by ``np.unique`` and the run templates from the shared cache, 4.5 ms with them
 counted (``_lengths_by_value``) and kept per plan (``_templates``).
+2026-12-04 (later), same CPU, in turn three times each (backups): a run of one copy taken from its
+template without unrolling, 1-D rows passed through as they are, page-1 offsets by one multiply,
+``Runs.of`` counting short runs: MHA page_head page 1 plans 1.6-1.7 -> 1.4-1.5 ms, chunks
+4.3-4.4 -> 2.3-2.4 ms; MLA page_first page 1 plans 1.6 -> 1.4 ms, chunks 2.3 -> 1.2 ms.
 Usage: python bench/probes/dma_plan_time.py KIND LAYOUT PAGE [GROUP]
 """
 
