@@ -388,3 +388,60 @@ def test_a_second_cache_over_a_device_pool_in_use_is_refused():
     del cache
     again = HiCache(dev, None, CacheConfig(page_size=4))
     assert again.alloc_device(4) is not None
+
+
+# -- namespaces' roots (2026-12-04, later): each failed before its fix -------------------
+
+def test_namespaces_only_looked_up_or_emptied_keep_no_root():
+    """A root per namespace ever matched, hashed or emptied by eviction stayed for good: a server
+    with a namespace per user or adapter grew without bound. Roots holding nothing are dropped."""
+    cache, dev, host, _ = make_cache(page_size=4, dev_pages=8, host_pages=0, held=False)
+    mine = cache.alloc_device(4)
+    for i in range(500):
+        assert cache.match_prefix(list(range(8)), namespace=f"user{i}").total_len == 0
+        cache.page_hashes(list(range(8)), namespace=f"hash{i}")
+        cache.insert([1, 2, 3], mine[:3], namespace=f"partial{i}")  # no whole page
+    with pytest.raises(ValueError, match="not the caller's"):
+        cache.insert(list(range(4)), mine + 4, namespace="refused")
+    assert list(cache.tree.roots) == []
+    cache.insert(list(range(8)), torch.cat([mine, cache.alloc_device(4)]), namespace="kept")
+    assert list(cache.tree.roots) == ["kept"]
+    assert cache.evict_device(8) == 8                     # every page gone: its root too
+    assert list(cache.tree.roots) == []
+    _put(cache, dev, list(range(8)))
+    cache.clear()
+    assert list(cache.tree.roots) == []
+
+
+def test_an_empty_match_in_a_new_namespace_can_still_be_locked_counted_and_unlocked():
+    """The SGLang-style two steps (match, then lock) on a namespace with nothing cached: the
+    root the match handed out was dropped, and still works as the empty match it is, also once
+    the namespace has a new root; its lock holds that root until unlocked."""
+    cache, dev, host, _ = make_cache(page_size=4, dev_pages=8, host_pages=0, held=False)
+    m = cache.match_prefix(list(range(8)), namespace="new", count=False)
+    assert "new" not in cache.tree.roots
+    cache.lock(m.node)
+    cache.count_match(m, 8)
+    cache.insert(list(range(8)), cache.alloc_device(8), namespace="new")
+    cache.unlock(m.node)
+    cache.unlock(m.node)                       # a root unlocked once too often: nothing to release
+    assert m.node.own_locks == 0
+    held = cache.match_prefix([9] * 4, namespace="held", lock=True)
+    assert "held" in cache.tree.roots          # locked: kept while held
+    cache.unlock(held.node)
+    assert "held" not in cache.tree.roots
+    assert cache.match_prefix(list(range(8)), namespace="new").device_len == 8
+
+
+def test_a_root_of_another_cache_is_still_refused():
+    """The dropped-root allowance takes only an empty root with this cache's seed."""
+    cache, dev, host, _ = make_cache(page_size=4, dev_pages=8, host_pages=0, held=False)
+    other, odev, _, _ = make_cache(kind="mla", page_size=4, dev_pages=8, host_pages=0, held=False)
+    empty = other.match_prefix(list(range(8)), namespace="x").node     # another model's seed
+    with pytest.raises(ValueError, match="belongs to another cache"):
+        cache.lock(empty)
+    _put(other, odev, list(range(8)))
+    full = other.match_prefix([0, 1, 2, 3, 9, 9, 9, 9]).node.parent   # a root with children
+    assert full.parent is None and full.children
+    with pytest.raises(ValueError, match="belongs to another cache"):
+        cache.lock(full)

@@ -229,7 +229,8 @@ class CacheMachine(RuleBasedStateMachine):
                 locks[n] += 1
                 assert n.device is not None or n.host is not None
         dev_pages, host_pages = [], []
-        for root in tree.roots.values():
+        for ns, root in tree.roots.items():
+            assert root.namespace == ns and (root.children or root.own_locks), "a root holding nothing is kept"
             stack = [(child, []) for child in root.children.values()]
             while stack:
                 node, prefix = stack.pop()

@@ -134,7 +134,7 @@ class HiCache:
                 self.tree.unlock(node)  # the caller gets no node to unlock
                 raise
             if not lock:
-                self.tree.unlock(node)
+                self.tree.unlock(node)  # (a root left empty is dropped)
             return MatchResult(tokens_of(dev_pages, self.page_size), host_len, node, namespace)
 
     def count_match(self, match: MatchResult, n_tokens: int) -> None:
@@ -169,7 +169,9 @@ class HiCache:
             self._check_node(node)
             # A node's own locks (a lock on a longer match holds this node too, but is that
             # match's to release).
-            if node.parent is not None and node.own_locks <= 0:
+            if node.parent is None and node.own_locks <= 0:
+                return  # an empty match's root, not locked: nothing to release (locks there hold nothing)
+            if node.own_locks <= 0:
                 raise ValueError("unlock without a matching lock: this node is not locked by its own lock "
                                  "(unlock the node lock() or match_prefix(lock=True) gave you, once)")
             self.tree.unlock(node)
@@ -200,18 +202,21 @@ class HiCache:
             raise ValueError("device_indices names a page twice")
         with self._lock:
             root = self._root(namespace)
-            path, matched, partial = self.tree.walk(root, tokens)
-            self._check_insert_pages(path, partial, pages)
-            if partial is not None:
-                path.append(self.tree.split(*partial))
-                matched += partial[1]
-            self._absorb(path, pages)
-            if matched < n_full:
-                parent = path[-1] if path else root
-                self._add_leaf(parent, tokens[matched:], pages[matched // self.page_size :])
-            else:
-                self.tree.touch(path, hit=False)
-            return matched
+            try:
+                path, matched, partial = self.tree.walk(root, tokens)
+                self._check_insert_pages(path, partial, pages)
+                if partial is not None:
+                    path.append(self.tree.split(*partial))
+                    matched += partial[1]
+                self._absorb(path, pages)
+                if matched < n_full:
+                    parent = path[-1] if path else root
+                    self._add_leaf(parent, tokens[matched:], pages[matched // self.page_size :])
+                else:
+                    self.tree.touch(path, hit=False)
+                return matched
+            finally:
+                self.tree.drop_if_empty(root)  # nothing inserted (no whole page, or refused)
 
     def _check_insert_pages(self, path, partial, pages: np.ndarray) -> None:
         """Every page is the caller's, or the tree's own page at that very position."""
@@ -362,7 +367,9 @@ class HiCache:
         tokens = as_token_array(token_ids)
         check_namespace(namespace)
         with self._lock:
-            root = self._root(namespace)
+            root = self.tree.root(namespace)
+            if root is None:  # nothing cached in it: no root made for a read
+                return chain_hashes(namespace_seed(self.salt, namespace), tokens, self.page_size)
             path, matched, partial = self.tree.walk(root, tokens)
             known = [h for n in path for h in n.hashes]
             if partial is not None:
@@ -400,7 +407,11 @@ class HiCache:
         top = node
         while top.parent is not None:
             top = top.parent
-        if self.tree.roots.get(top.namespace) is not top:
+        if self.tree.roots.get(top.namespace) is top:
+            return
+        # An empty match's root, dropped while its namespace held nothing (RadixTree.drop_if_empty):
+        # still this cache's if nothing hangs below it and it has this cache's seed.
+        if not (top is node and not node.children and node.hashes == [namespace_seed(self.salt, node.namespace)]):
             raise ValueError("this node belongs to another cache (or one cleared since); match_prefix again")
 
     def _pages_of(self, n_tokens, name: str, round_up: bool = False) -> int:

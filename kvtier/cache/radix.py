@@ -72,12 +72,13 @@ class RadixTree:
         self.reset()
 
     def reset(self) -> None:
-        """Forget every node; roots (and handles to them) stay valid."""
+        """Forget every node; handles to roots stay valid (:meth:`drop_if_empty`)."""
         for node in self.nodes():
             node.alive = False
-        for root in self.roots.values():
+        for root in list(self.roots.values()):
             root.children.clear()
             root.dev_children = 0
+            self.drop_if_empty(root)
         # Insertion-ordered sets of the nodes holding pages in each tier.
         self.device_nodes: dict[Node, None] = {}
         self.host_nodes: dict[Node, None] = {}
@@ -96,6 +97,18 @@ class RadixTree:
         if node is None and seed is not None:
             node = self.roots[namespace] = Node(_EMPTY, None, namespace, [seed])
         return node
+
+    def drop_if_empty(self, root: Node) -> None:
+        """Forget a namespace's root that holds nothing below it and no lock of its own.
+
+        Else every namespace ever looked up, or cached and then evicted, would
+        keep a root for good: a server keyed by user or adapter grows without
+        bound. A handle to a dropped root stays usable: it is an empty match,
+        and locking it holds nothing (the controller checks it by its seed).
+        """
+        if (root.parent is None and not root.children and not root.own_locks
+                and self.roots.get(root.namespace) is root):
+            del self.roots[root.namespace]
 
     def walk(self, root: Node, tokens: np.ndarray) -> tuple[list[Node], int, tuple[Node, int] | None]:
         """Follow ``tokens`` (whole pages only) down from ``root``; read-only.
@@ -167,9 +180,11 @@ class RadixTree:
         """Unlink a childless node that holds no pages and no lock."""
         assert not node.children and node.device is None and node.host is None
         assert node.lock_ref == 0 and node.op is None and node.parent is not None
-        del node.parent.children[node.tokens[: self.page_size].tobytes()]
+        parent = node.parent
+        del parent.children[node.tokens[: self.page_size].tobytes()]
         node.parent = None
         node.alive = False
+        self.drop_if_empty(parent)
 
     def path_to(self, node: Node) -> list[Node]:
         """Nodes from the root's child down to ``node``."""
@@ -216,6 +231,7 @@ class RadixTree:
                 self.device_locked_pages -= 0 if node.device is None else len(node.device)
                 self.host_locked_pages -= 0 if node.host is None else len(node.host)
             node = node.parent
+        self.drop_if_empty(node)
 
     # -- residency -------------------------------------------------------
 
