@@ -92,7 +92,7 @@ def _checked(o: dict, modes: tuple[str, ...]):
     try:
         mcfg = _model_config(o)
         if o["checkpoint"]:
-            mcfg = checkpoint_config(o["checkpoint"], mcfg.dtype)
+            mcfg = checkpoint_config(o["checkpoint"], mcfg.dtype, tensors=True)
         cfgs = [_engine_config(o, m) for m in modes]
         wl = Workload(clients=o["clients"], rounds=o["rounds"], system_tokens=o["system_tokens"],
                       user_tokens=o["user_tokens"], output_tokens=o["output_tokens"], vocab_size=mcfg.vocab_size)

@@ -89,6 +89,25 @@ def test_demo_names_the_checkpoints_model_and_checks_it_fits_first(tmp_path, mon
     assert res.exit_code == 1 and "twice while loading" in res.output and "model:" not in res.output, res.output
 
 
+def test_a_checkpoint_whose_tensors_do_not_match_its_config_fails_before_any_work(tmp_path):
+    """The tensors were checked only as they loaded, after the demo's header (a review's note):
+    now their names and shapes are read from the files' headers with the other checks."""
+    from safetensors.torch import load_file, save_file
+
+    from kvtier.engine import random_model, save_checkpoint, tiny
+    cfg = tiny("llama", hidden_size=64, n_layers=2, n_heads=2, intermediate_size=96, vocab_size=512)
+    ckpt = save_checkpoint(random_model(cfg, 0), tmp_path / "ckpt")
+    small = [a for a in TINY if a not in ("--hidden", "64", "--layers", "2", "--intermediate", "96")]
+    (f,) = ckpt.glob("*.safetensors")
+    state = load_file(str(f))
+    state["model.layers.1.mlp.up_proj.weight"] = state["model.layers.1.mlp.up_proj.weight"][:-1].contiguous()
+    del state["model.norm.weight"]
+    save_file(state, str(f))
+    res = CliRunner().invoke(main, ["demo", *small, "--checkpoint", str(ckpt), "--plot", ""])
+    assert res.exit_code == 2 and "model:" not in res.output and "Traceback" not in res.output, res.output
+    assert "missing ['model.norm.weight']" in res.output and "model.layers.1.mlp.up_proj.weight (95, 64)" in res.output
+
+
 def test_bench_flags_fail_before_any_work(tmp_path):
     runner = CliRunner()
     for args, match in ((["bench", "ttft", "--model", "tiny", "--page-size", "0"], "'--page-size': 0 is not in"),

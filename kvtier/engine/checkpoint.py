@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import DEEPSEEK, LLAMA, ModelConfig
@@ -94,10 +95,20 @@ def random_model(cfg: ModelConfig, seed: int = 0, device="cpu", **build) -> Caus
     return build_model(cfg, device, **build).init_random(seed)
 
 
-def checkpoint_config(path: str | Path, dtype=None) -> ModelConfig:
-    """The model config of a local Hugging Face-format directory, from its ``config.json`` alone
-    (nothing else is read), after checking that it has ``*.safetensors`` files too."""
-    return config_from_hf(_hf_config(Path(path)), dtype)
+def checkpoint_config(path: str | Path, dtype=None, tensors: bool = False) -> ModelConfig:
+    """The model config of a local Hugging Face-format directory, from its ``config.json``, after
+    checking that it has ``*.safetensors`` files too. ``tensors``: also that their tensors are
+    the config's, names and shapes, from the files' headers (no weight is read); raises as
+    :func:`load_checkpoint` would."""
+    path = Path(path)
+    cfg = config_from_hf(_hf_config(path), dtype)
+    if tensors:
+        shapes = {}
+        for f in checkpoint_files(path):
+            with safe_open(str(f), "pt") as fh:
+                shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
+        _check_state(build_model(cfg, "meta"), shapes)
+    return cfg
 
 
 def _hf_config(path: Path) -> dict:
@@ -170,15 +181,17 @@ def _rope_rows(state: dict[str, torch.Tensor], cfg: ModelConfig, to_half: bool) 
             state[name] = w
 
 
-def _check_state(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
-    expected = {k: v.shape for k, v in model.state_dict().items()}
+def _check_state(model: CausalLM, state: dict) -> None:
+    """``state`` (tensors, or their shapes) holds ``model``'s tensors, named and shaped as its own;
+    a tied ``lm_head.weight`` is dropped from it."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if model.config.tie_embeddings:
         expected.pop("lm_head.weight", None)
         state.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = [f"{k} {tuple(state[k].shape)} != {tuple(s)}" for k, s in expected.items()
-             if k in state and state[k].shape != s]
+    shape = {k: tuple(getattr(v, "shape", v)) for k, v in state.items()}
+    missing = sorted(set(expected) - set(shape))
+    unexpected = sorted(set(shape) - set(expected))
+    wrong = [f"{k} {shape[k]} != {s}" for k, s in expected.items() if k in shape and shape[k] != s]
     if missing or unexpected or wrong:
         raise ValueError(
             "checkpoint does not match its config.json: "
