@@ -433,13 +433,21 @@ def test_an_empty_match_in_a_new_namespace_can_still_be_locked_counted_and_unloc
     assert cache.match_prefix(list(range(8)), namespace="new").device_len == 8
 
 
-def test_a_root_of_another_cache_is_still_refused():
-    """The dropped-root allowance takes only an empty root with this cache's seed."""
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_root_of_another_cache_is_still_refused(kind):
+    """The dropped-root allowance takes only an empty root of this cache's own tree: not one of
+    another cache, of another model or of the same (the same salt: the first version of the
+    allowance went by the seed, and took it)."""
     cache, dev, host, _ = make_cache(page_size=4, dev_pages=8, host_pages=0, held=False)
-    other, odev, _, _ = make_cache(kind="mla", page_size=4, dev_pages=8, host_pages=0, held=False)
-    empty = other.match_prefix(list(range(8)), namespace="x").node     # another model's seed
+    other, odev, _, _ = make_cache(kind=kind, page_size=4, dev_pages=8, host_pages=0, held=False)
+    empty = other.match_prefix(list(range(8)), namespace="x").node
     with pytest.raises(ValueError, match="belongs to another cache"):
         cache.lock(empty)
+    held = other.match_prefix(list(range(8)), namespace="y", lock=True).node
+    with pytest.raises(ValueError, match="belongs to another cache"):
+        cache.lock(held)
+    other.unlock(held)
+    assert "y" not in other.tree.roots
     _put(other, odev, list(range(8)))
     full = other.match_prefix([0, 1, 2, 3, 9, 9, 9, 9]).node.parent   # a root with children
     assert full.parent is None and full.children

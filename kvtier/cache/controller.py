@@ -409,9 +409,8 @@ class HiCache:
             top = top.parent
         if self.tree.roots.get(top.namespace) is top:
             return
-        # An empty match's root, dropped while its namespace held nothing (RadixTree.drop_if_empty):
-        # still this cache's if nothing hangs below it and it has this cache's seed.
-        if not (top is node and not node.children and node.hashes == [namespace_seed(self.salt, node.namespace)]):
+        # An empty match's root, dropped while its namespace held nothing (RadixTree.drop_if_empty).
+        if not (top is node and not node.children and node.owner is self.tree):
             raise ValueError("this node belongs to another cache (or one cleared since); match_prefix again")
 
     def _pages_of(self, n_tokens, name: str, round_up: bool = False) -> int:

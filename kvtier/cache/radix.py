@@ -30,7 +30,7 @@ class Node:
     __slots__ = (
         "tokens", "children", "parent", "namespace", "hashes",
         "device", "device_ready", "host", "host_ready", "dev_children",
-        "lock_ref", "own_locks", "last_access", "hits", "op", "alive",
+        "lock_ref", "own_locks", "last_access", "hits", "op", "alive", "owner",
     )
 
     def __init__(self, tokens: np.ndarray, parent: Node | None, namespace: str, hashes: list[bytes]):
@@ -50,6 +50,7 @@ class Node:
         self.hits = 0
         self.op = None
         self.alive = True
+        self.owner = None             # a root: its tree (a dropped root's handle is still its tree's)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -96,6 +97,7 @@ class RadixTree:
         node = self.roots.get(namespace)
         if node is None and seed is not None:
             node = self.roots[namespace] = Node(_EMPTY, None, namespace, [seed])
+            node.owner = self
         return node
 
     def drop_if_empty(self, root: Node) -> None:
@@ -104,7 +106,7 @@ class RadixTree:
         Else every namespace ever looked up, or cached and then evicted, would
         keep a root for good: a server keyed by user or adapter grows without
         bound. A handle to a dropped root stays usable: it is an empty match,
-        and locking it holds nothing (the controller checks it by its seed).
+        and locking it holds nothing (its ``owner`` says which tree it was).
         """
         if (root.parent is None and not root.children and not root.own_locks
                 and self.roots.get(root.namespace) is root):
