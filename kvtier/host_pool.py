@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import operator
 import threading
-from functools import cached_property
 
 import numpy as np
 import torch
@@ -38,6 +38,10 @@ logger = logging.getLogger("kvtier")
 def spec_of(device_pool, kind: str) -> KVSpec:
     """The spec of a kvtier device pool, or one read off an SGLang-style pool's attributes."""
     spec = getattr(device_pool, "spec", None)
+    if spec is None and not hasattr(device_pool, "layer_num"):
+        raise TypeError(f"device_pool must be a device KV pool (a kvtier pool, or an engine's with layer_num, "
+                        f"{'head_num' if kind == MHA else 'kv_lora_rank'} ... and its per-layer buffers), "
+                        f"got {type(device_pool).__name__}")
     if isinstance(spec, KVSpec):
         if spec.kind != kind:
             raise TypeError(
@@ -79,7 +83,11 @@ class HostKVCache:
         self.spec = spec_of(device_pool, self.KIND)
         self.layout_obj: HostLayout = get_layout(layout, self.KIND)
         _check_page_size(page_size, device_pool)
-        if torch.device(device).type != "cpu":
+        try:
+            on_cpu = torch.device(device).type == "cpu"
+        except (RuntimeError, TypeError):
+            on_cpu = False
+        if not on_cpu:
             raise ValueError(f"a host pool lives in host memory: device must be 'cpu', got {device!r}")
         if pin_memory and not gpu_available():
             raise ValueError("pin_memory=True needs CUDA; CPU-only torch cannot pin memory (leave it None)")
@@ -91,7 +99,12 @@ class HostKVCache:
         self.dtype = self.spec.store_dtype
         self.layer_num = self.spec.layer_num
         self.validate_indices = validate_indices
-        self.size_per_token = self.spec.bytes_per_token
+        self.size_per_token = self.get_size_per_token()
+        if self.size_per_token != self.spec.bytes_per_token:
+            raise ValueError(
+                f"get_size_per_token() gives {self.size_per_token!r} bytes, but this pool lays each token out "
+                f"from the device pool's shape: {self.spec.bytes_per_token} bytes ({self.spec.describe()}); "
+                "a padded or other token size is not supported, leave get_size_per_token as it is")
         self.page_num = _size_in_pages(
             host_size_tokens, host_size, host_to_device_ratio, device_pool.size, page_size, self.size_per_token
         )
@@ -107,7 +120,10 @@ class HostKVCache:
             "allocating %.2f GB of host KV (%d tokens, %s, %d B/token); %.2f GB available",
             requested / GB, self.size, layout, self.size_per_token, mem.available / GB,
         )
+        self._kept_parts: tuple[list[tuple], list[TransferPart]] | None = None
         self._buffers = self._allocate(pin_memory)
+        if type(self).init_kv_buffer is not HostKVCache.init_kv_buffer:
+            self._adopt(self.init_kv_buffer, pin_memory)
         self.allocator = PageAllocator(self.size, page_size)
         self.lock = threading.RLock()
 
@@ -117,26 +133,59 @@ class HostKVCache:
         comps = self.spec.components
         shapes = [self.layout_obj.shape(c, self.layer_num, self.size, self.page_size) for c in comps]
         if self._seed_combined:
-            buf = HostBuffer((2, *shapes[0]), comps[0].dtype, pin, self.huge_pages)
-            self.kv_buffer = buf.tensor
-            tensors = [buf.tensor[0], buf.tensor[1]]
-            buffers = [buf]
+            buffers = [HostBuffer((2, *shapes[0]), comps[0].dtype, pin, self.huge_pages)]
         else:
             buffers = [HostBuffer(s, c.dtype, pin, self.huge_pages) for s, c in zip(shapes, comps)]
-            tensors = [b.tensor for b in buffers]
-        self.component_tensors = dict(zip((c.name for c in comps), tensors))
         self.placements: dict[str, Placement] = {
             c.name: self.layout_obj.placement(c, self.layer_num, self.size, self.page_size) for c in comps
         }
-        self.pinned = buffers[0].pinned
+        self._take(buffers)
         return buffers
 
+    def _take(self, buffers: list[HostBuffer]) -> None:
+        """Point ``kv_buffer`` and each component's tensor at ``buffers`` (MHA: one, K then V)."""
+        comps = self.spec.components
+        self.kv_buffer = buffers[0].tensor
+        tensors = [self.kv_buffer[0], self.kv_buffer[1]] if self._seed_combined else [b.tensor for b in buffers]
+        self.component_tensors = dict(zip((c.name for c in comps), tensors))
+        self.pinned = buffers[0].pinned
+
+    def _adopt(self, hook, pin: bool | None) -> None:
+        """A subclass's ``init_kv_buffer`` (the seed's hook, as engines override it to place host KV in
+        memory of their own: shared, registered with a store ...): the tensor it returns becomes the
+        storage of ``kv_buffer``, as does an ``index_k_buffer`` it sets (DSA). Each must have the
+        shape and dtype this pool's layout gives it, on the CPU and contiguous; the buffers
+        allocated for them are then let go."""
+        ours = list(self._buffers)
+        made = {"kv_buffer": self.kv_buffer}
+        if "index_k" in self.component_tensors:
+            made["index_k_buffer"] = self.index_k_buffer = self.component_tensors["index_k"]
+        given = {"kv_buffer": hook()}
+        if "index_k_buffer" in made and self.index_k_buffer is not made["index_k_buffer"]:
+            given["index_k_buffer"] = self.index_k_buffer
+        for at, (name, t) in zip((0, len(ours) - 1), given.items()):
+            want = made[name]
+            if t is want:
+                continue
+            if not (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == want.dtype
+                    and t.shape == want.shape and t.is_contiguous()):
+                got = (f"{t.dtype} {tuple(t.shape)} on {t.device}" + ("" if t.is_contiguous() else ", not contiguous")
+                       if isinstance(t, torch.Tensor) else type(t).__name__)
+                raise ValueError(f"init_kv_buffer() gave {name} as {got}; this pool's {self.layout} layout needs a "
+                                 f"contiguous CPU tensor of {want.dtype} {tuple(want.shape)}")
+            ours[at].release()
+            ours[at] = HostBuffer.adopt(t, pin)
+        self._buffers = ours
+        self._take(ours)
+
     def init_kv_buffer(self):
-        """The seed's hook; buffers are built in the constructor, so this returns them."""
+        """The seed's hook. Here the constructor builds the buffers, and this returns ``kv_buffer``;
+        a subclass that overrides it to return a tensor of its own gets that adopted (:meth:`_adopt`)."""
         return self.kv_buffer
 
     def get_size_per_token(self) -> int:
-        return self.size_per_token
+        """Bytes of one token, every layer and component (the seed's hook; the layout fixes it)."""
+        return self.spec.bytes_per_token
 
     def huge_page_share(self) -> float:
         """The share of this pool's bytes the kernel backs with transparent huge pages now
@@ -157,19 +206,32 @@ class HostKVCache:
         return t.reshape(-1).view(torch.uint8)
 
     def transfer_parts(self, device_pool=None) -> list[TransferPart]:
+        """Every component's :class:`TransferPart` against ``device_pool`` (default: the pool this
+        one mirrors). Kept for the mirrored pool while its per-layer buffers are the same tensor
+        objects; made again when the engine has replaced any (the seed read them at every call,
+        and a kept part would move bytes to and from the old tensors)."""
         pool = self.device_pool if device_pool is None else device_pool
-        if pool is self.device_pool:
-            return self._parts
-        self._check_device_pool(pool)
-        return self._make_parts(pool)
-
-    @cached_property
-    def _parts(self) -> list[TransferPart]:
-        return self._make_parts(self.device_pool)
+        if pool is not self.device_pool:
+            self._check_device_pool(pool)
+            return self._make_parts(pool)
+        layers = [getattr(pool, layer_attr(c.name)) for c in self.spec.components]
+        kept = self._kept_parts
+        if kept is None or not all(len(a) == len(b) and all(map(operator.is_, a, b)) for a, b in zip(kept[0], layers)):
+            if kept is not None:
+                self._check_device_pool(pool)  # replaced buffers: the same shapes still
+            kept = self._kept_parts = ([tuple(a) for a in layers], self._make_parts(pool))
+        return kept[1]
 
     def _make_parts(self, pool) -> list[TransferPart]:
         # Each component's buffer says whether it is still registered (close() unregisters).
         bufs = self._buffers * len(self.spec.components) if len(self._buffers) == 1 else self._buffers
+        for c in self.spec.components:
+            layers = getattr(pool, layer_attr(c.name))
+            widths = {as_rows(t).shape[1] for t in layers}
+            if len(layers) != self.layer_num or widths != {self.placements[c.name].item_bytes}:
+                raise ValueError(
+                    f"the device pool's {layer_attr(c.name)} holds {len(layers)} layers of {sorted(widths)} bytes a "
+                    f"slot; this host pool moves {self.layer_num} layers of {self.placements[c.name].item_bytes}")
         return [
             TransferPart(
                 c.name, self.raw_bytes(c.name), self.placements[c.name],
@@ -204,8 +266,9 @@ class HostKVCache:
         """Copy ``host_indices`` of layer ``layer_id`` into ``device_indices`` (host -> device)."""
         parts = self.transfer_parts(device_pool)
         backend = get_backend(io_backend, _pool_device(device_pool))
-        if not isinstance(layer_id, (int, np.integer)) or not 0 <= layer_id < self.layer_num:
-            raise ValueError(f"layer_id must be in 0..{self.layer_num - 1}, got {layer_id!r}")
+        layer_id = _int_value(layer_id)
+        if not is_int(layer_id) or not 0 <= layer_id < self.layer_num:
+            raise ValueError(f"layer_id must be an integer in 0..{self.layer_num - 1}, got {layer_id!r}")
         host_indices, device_indices = self._check_indices(host_indices, device_indices, device_pool)[:2]
         backend.load(parts, host_indices, device_indices, int(layer_id))
 
@@ -253,9 +316,7 @@ class HostKVCache:
         return self.page_size * self.size_per_token
 
     def _page_of(self, index) -> int:
-        # Storage backends pass ``host_indices[i]``, a 0-d integer tensor, as SGLang's do.
-        if isinstance(index, torch.Tensor) and index.numel() == 1 and is_int_dtype(index.dtype):
-            index = int(index.item())
+        index = _int_value(index)
         if not is_int(index):
             raise ValueError(f"index must be an integer token index, got {index!r}")
         if index % self.page_size or not 0 <= index < self.size:
@@ -309,6 +370,15 @@ class HostKVCache:
         if not isinstance(data_page, torch.Tensor):
             raise TypeError(f"data_page must be a torch.Tensor, got {type(data_page).__name__}")
         src = data_page.detach().reshape(-1).to("cpu")
+        flat = self._flat_dtype
+        if src.dtype not in (flat, torch.uint8) and not (flat == torch.uint8 and src.element_size() == 1):
+            # Values of another float type are converted, as the seed's copy did; its bytes read as
+            # this pool's dtype would be garbage of the right size.
+            if not (src.is_floating_point() and flat.is_floating_point):
+                raise ValueError(
+                    f"data_page has dtype {src.dtype}; a page of this pool is {flat} (its values), or uint8 "
+                    "(its raw bytes, as get_data_page(...).view(torch.uint8) gives them)")
+            src = src.to(flat)
         nbytes = src.numel() * src.element_size()
         if nbytes != self.page_bytes:
             raise ValueError(
@@ -343,15 +413,20 @@ class HostKVCache:
 
     # -- slot allocation -------------------------------------------------
 
+    # Under ``self.lock``, as the seed's were: a caller holding it holds the allocator.
+
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """Token indices of ``need_size / page_size`` free pages, or None if full."""
-        return self.allocator.alloc(need_size)
+        with self.lock:
+            return self.allocator.alloc(need_size)
 
     def free(self, indices) -> int:
-        return self.allocator.free(indices)
+        with self.lock:
+            return self.allocator.free(indices)
 
     def available_size(self) -> int:
-        return self.allocator.available_size()
+        with self.lock:
+            return self.allocator.available_size()
 
     @property
     def free_slots(self) -> torch.Tensor:
@@ -361,7 +436,8 @@ class HostKVCache:
 
     def clear(self) -> None:
         """Mark every slot free (the bytes are left as they are)."""
-        self.allocator.clear()
+        with self.lock:
+            self.allocator.clear()
 
 
 class MHATokenToKVPoolHost(HostKVCache):
@@ -453,6 +529,14 @@ def host_pool_for(device_pool, layout: str = "layer_first", *, host_size_tokens:
 
 
 # -- validation helpers --------------------------------------------------------
+
+def _int_value(value):
+    """A one-element integer tensor as its int (storage backends pass ``host_indices[i]``, a 0-d
+    tensor, as SGLang's do); anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and is_int_dtype(value.dtype):
+        return int(value.item())
+    return value
+
 
 def _pool_device(pool) -> torch.device:
     return torch.device(getattr(pool, "device", "cpu"))

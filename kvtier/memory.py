@@ -42,6 +42,12 @@ class HostMemory:
     cgroup_path: str | None = None  # the cgroup directory whose limit counts, where one does
 
 
+class HostMemoryError(MemoryError, ValueError):
+    """Not enough host memory for what was asked, found before anything is allocated. Also a
+    ``ValueError``: the seed raised that for a host pool too large, and engines written
+    against it catch it to retry with a smaller pool."""
+
+
 class EnvSettingError(ValueError):
     """A ``KVTIER_*`` environment variable holds a value kvtier cannot use (the CLI reports it
     as a usage error, naming the variable)."""
@@ -195,7 +201,7 @@ POOL_FIX = (f"Shrink the pool (host_size_tokens, host_size in GB, or host_to_dev
 
 
 def check_host_memory(requested: int, reserve_bytes: int | None, what: str, fix: str = POOL_FIX) -> HostMemory:
-    """Raise MemoryError, before anything is allocated, if ``requested`` will not fit; the
+    """Raise :class:`HostMemoryError`, before anything is allocated, if ``requested`` will not fit; the
     message names ``what``, the sizes, and ``fix`` (default: how to shrink a pool)."""
     mem = host_memory(reserve_bytes)
     if requested > mem.available:
@@ -204,7 +210,7 @@ def check_host_memory(requested: int, reserve_bytes: int | None, what: str, fix:
             where = f"{LIMIT_ENV}={mem.limit / GB:g} less this process's resident memory"
         elif where == "cgroup limit" and mem.cgroup_path:
             where = f"cgroup limit {mem.cgroup_limit / GB:.2f} GB at {mem.cgroup_path}"
-        raise MemoryError(
+        raise HostMemoryError(
             f"{what} needs {requested / GB:.2f} GB of host memory but only "
             f"{mem.available / GB:.2f} GB is available ({where}, after keeping "
             f"{mem.reserve / GB:.2f} GB in reserve). {fix}"
@@ -354,8 +360,26 @@ class HostBuffer:
             self.pinned = True
             self._finalizer = weakref.finalize(self, _unregister, self.tensor)
 
+    @classmethod
+    def adopt(cls, tensor: torch.Tensor, pin: bool | None = None) -> "HostBuffer":
+        """A host tensor allocated elsewhere, registered for the GPU as :class:`HostBuffer` registers
+        its own unless it is pinned already (its owner then keeps it so); no huge-page advice."""
+        want = gpu_available() if pin is None else pin
+        if want and not gpu_available():
+            raise RuntimeError("pin=True needs CUDA; CPU-only torch cannot pin memory")
+        self = cls.__new__(cls)
+        self.huge_pages, self.tensor, self.pinned = False, tensor, False
+        if want and tensor.numel():
+            if tensor.is_pinned():
+                self.pinned = True
+            else:
+                _register(tensor)
+                self.pinned = True
+                self._finalizer = weakref.finalize(self, _unregister, tensor)
+        return self
+
     def release(self) -> None:
-        if self.pinned:
+        if self.pinned and hasattr(self, "_finalizer"):
             self._finalizer()
             self.pinned = False
 

@@ -130,7 +130,7 @@ def test_device_pool_bad_arguments():
     (lambda d, h: h.backup_from_device_all_layer(d, torch.tensor([1, 1, 2, 3]), torch.arange(4), "direct"), "twice"),
     (lambda d, h: h.backup_from_device_all_layer(d, torch.arange(4.0), torch.arange(4), "direct"), "integer"),
     (lambda d, h: h.backup_from_device_all_layer(d, torch.arange(4), torch.arange(4), "dma2"), "unknown io_backend 'dma2'"),
-    (lambda d, h: h.load_to_device_per_layer(d, torch.arange(4), torch.arange(4), 2, "direct"), "layer_id must be in 0..1"),
+    (lambda d, h: h.load_to_device_per_layer(d, torch.arange(4), torch.arange(4), 2, "direct"), "layer_id must be an integer in 0..1"),
     (lambda d, h: h.load_to_device_per_layer(d, torch.arange(4).view(2, 2), torch.arange(4), 0, "direct"), "one-dimensional"),
 ])
 def test_bad_transfer_changes_nothing(mha, call, match):

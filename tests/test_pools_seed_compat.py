@@ -191,3 +191,137 @@ def test_an_unsupported_layout_is_also_the_seeds_not_implemented_error():
         make_host_pool(dev, "page_first", 32)
     with pytest.raises(ValueError, match="not supported for DSA"):
         make_host_pool(dev, "page_first", 32)
+
+
+# -- a second review against the seed (2026-12-04, later): each failed before its fix -------
+
+def test_a_page_of_another_float_dtype_is_converted_and_one_of_integers_refused():
+    """A float16 page into a bf16 pool was written as its bytes (1.5 read back as 0.125), as
+    was an int16 one; the seed converted the values. Raw bytes (uint8) still go as they are."""
+    dev = make_device_pool("mha", 64, 4, torch.bfloat16, 2)
+    host = make_host_pool(dev, "page_first", 64)
+    n = host.get_data_page(0).numel()
+    host.set_from_flat_data_page(0, torch.full((n,), 1.5, dtype=torch.float16))
+    assert torch.equal(host.get_data_page(0), torch.full((n,), 1.5, dtype=torch.bfloat16))
+    before = host.get_data_page(4).clone()
+    with pytest.raises(ValueError, match="data_page has dtype torch.int16; a page of this pool is torch.bfloat16"):
+        host.set_from_flat_data_page(4, torch.full((n,), 7, dtype=torch.int16))
+    assert torch.equal(host.get_data_page(4), before)
+    host.set_from_flat_data_page(4, host.get_data_page(0).view(torch.uint8))
+    assert torch.equal(host.get_data_page(4), host.get_data_page(0))
+    fp8 = make_host_pool(make_device_pool("mla", 64, 4, torch.float8_e4m3fn, 2, lora=6, rope=2), "page_first", 64)
+    m = fp8.get_data_page(0).numel()
+    with pytest.raises(ValueError, match="a page of this pool is torch.uint8"):
+        fp8.set_from_flat_data_page(0, torch.ones(m // 2, dtype=torch.bfloat16))   # the same bytes, not FP8
+    fp8.set_from_flat_data_page(0, torch.full((m,), 2.0).to(torch.float8_e4m3fn))  # FP8 values: its bytes
+    assert (fp8.get_data_page(0).view(torch.float8_e4m3fn).float() == 2.0).all()
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_transfers_follow_device_buffers_the_engine_replaced(kind):
+    """The device pool's per-layer tensors were read once, at the first transfer: after the
+    engine rebuilt them, loads went to the old tensors (the seed read them at every call).
+    A replacement of another width is refused by name."""
+    pool = EnginePool(kind, 32, 4)
+    cls = MHATokenToKVPoolHost if kind == "mha" else MLATokenToKVPoolHost
+    host = cls(pool, 0, 0, 4, "layer_first", host_size_tokens=64)
+    h = host.alloc(4)
+    host.backup_from_device_all_layer(pool, h, torch.arange(4), "direct")
+    names = ("k_buffer", "v_buffer") if kind == "mha" else ("kv_buffer",)
+    old = {n: [t.clone() for t in getattr(pool, n)] for n in names}
+    for n in names:
+        setattr(pool, n, [torch.zeros_like(t) for t in getattr(pool, n)])
+    for layer in range(pool.layer_num):
+        host.load_to_device_per_layer(pool, h, torch.arange(8, 12), layer, "direct")
+    for n in names:
+        for layer in range(pool.layer_num):
+            assert torch.equal(getattr(pool, n)[layer][8:12], old[n][layer][:4]), (n, layer)
+    getattr(pool, names[0])[1] = torch.zeros(36, 3, dtype=torch.bfloat16)   # one layer, in place, narrower
+    with pytest.raises(ValueError, match=f"device pool's {names[0]} holds 2 layers of \\[6, "):
+        host.load_to_device_per_layer(pool, h, torch.arange(8, 12), 0, "direct")
+
+
+def test_too_little_host_memory_is_also_the_seeds_value_error(monkeypatch):
+    """The seed raised ValueError for a host pool too large, and engines catch it to retry
+    smaller; kvtier's MemoryError escaped that."""
+    from kvtier import memory
+    monkeypatch.setenv(memory.LIMIT_ENV, "1")
+    monkeypatch.setenv(memory.RESERVE_ENV, "0")
+    dev = make_device_pool("mha", 64, 4, torch.bfloat16, 2)
+    try:
+        host = MHATokenToKVPoolHost(dev, 0, 10_000, 4, "page_first")
+    except ValueError as e:
+        assert isinstance(e, MemoryError) and "needs 10000.00 GB of host memory" in str(e)
+        host = MHATokenToKVPoolHost(dev, 0, 0, 4, "page_first", host_size_tokens=64)
+    assert host.size == 64
+
+
+def test_holding_the_pools_lock_holds_its_allocator():
+    """The seed's alloc, free and clear ran under ``self.lock``; kvtier made the lock and never took it."""
+    import threading
+    host = make_host_pool(make_device_pool("mha", 64, 4, torch.bfloat16, 2), "page_first", 64)
+    got = []
+    with host.lock:
+        t = threading.Thread(target=lambda: got.append(host.alloc(64)))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and not got and host.available_size() == 64
+    t.join()
+    assert got[0].numel() == 64 and host.available_size() == 0
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla", "dsa"])
+def test_an_init_kv_buffer_override_places_the_pool_in_its_tensors(kind):
+    """Engines override the seed's ``init_kv_buffer`` to put host KV in memory of their own;
+    kvtier never called it, so the override was silently ignored. Its tensor (and a DSA
+    override's ``index_k_buffer``) is now the pool's storage; a misshapen one is refused."""
+    pool = EnginePool(kind, 32, 4, index_k_row_bytes=132)
+    base = {"mha": MHATokenToKVPoolHost, "mla": MLATokenToKVPoolHost, "dsa": DSATokenToKVPoolHost}[kind]
+    mine = {}
+
+    class Own(base):
+        def init_kv_buffer(self):
+            made = super().init_kv_buffer()
+            mine["kv"] = torch.full_like(made, 7)
+            if kind == "dsa":
+                self.index_k_buffer = mine["index_k"] = torch.full_like(self.index_k_buffer, 9)
+            return mine["kv"]
+    host = Own(pool, 0, 0, 4, "layer_first", host_size_tokens=64)
+    assert host.kv_buffer.data_ptr() == mine["kv"].data_ptr()
+    if kind == "dsa":
+        assert host.index_k_buffer.data_ptr() == mine["index_k"].data_ptr()
+    h = host.alloc(4)
+    host.backup_from_device_all_layer(pool, h, torch.arange(4), "direct")
+    first = "k_buffer" if kind == "mha" else "kv_buffer"
+    assert torch.equal(mine["kv"][0][0][h] if kind == "mha" else mine["kv"][0][h], getattr(pool, first)[0][:4])
+    if kind == "dsa":
+        assert torch.equal(mine["index_k"][0][h], pool.index_k_buffer[0][:4])
+
+    class Wrong(base):
+        def init_kv_buffer(self):
+            return torch.zeros(3, dtype=super().init_kv_buffer().dtype)
+    with pytest.raises(ValueError, match=r"init_kv_buffer\(\) gave kv_buffer as torch.bfloat16 \(3,\) on cpu; this pool's "
+                                         r"layer_first layout needs a contiguous CPU tensor"):
+        Wrong(pool, 0, 0, 4, "layer_first", host_size_tokens=64)
+
+    class Padded(base):
+        def get_size_per_token(self):
+            return super().get_size_per_token() + 64
+    with pytest.raises(ValueError, match=r"get_size_per_token\(\) gives .* a padded or other token size is not supported"):
+        Padded(pool, 0, 0, 4, "layer_first", host_size_tokens=64)
+
+
+def test_a_bad_device_pool_device_or_layer_id_is_named():
+    """device='bogus' gave torch's own parse error, device_pool=None an AttributeError, and a
+    layer_id of True was layer 1 (a 0-d tensor, as get_data_page takes, was refused)."""
+    dev = make_device_pool("mha", 64, 4, torch.bfloat16, 2)
+    with pytest.raises(ValueError, match="device must be 'cpu', got 'bogus'"):
+        MHATokenToKVPoolHost(dev, 0, 0, 4, "page_first", "bogus", host_size_tokens=64)
+    with pytest.raises(TypeError, match="device_pool must be a device KV pool .* got NoneType"):
+        MHATokenToKVPoolHost(None, 0, 0, 4, "page_first", host_size_tokens=64)
+    host = make_host_pool(dev, "page_first", 64)
+    h = host.alloc(4)
+    for bad in (True, 1.0, torch.tensor(1.0), 2):
+        with pytest.raises(ValueError, match=r"layer_id must be an integer in 0\.\.1"):
+            host.load_to_device_per_layer(dev, h, torch.arange(4), bad, "direct")
+    host.load_to_device_per_layer(dev, h, torch.arange(4), torch.tensor(1), "direct")
