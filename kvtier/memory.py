@@ -40,6 +40,7 @@ class HostMemory:
     total: int
     limit: int | None = None  # KVTIER_HOST_LIMIT_GB, bytes, where set
     cgroup_path: str | None = None  # the cgroup directory whose limit counts, where one does
+    promised: int = 0       # live host pools' bytes not in memory yet (taken out of the figures above)
 
 
 class HostMemoryError(MemoryError, ValueError):
@@ -186,13 +187,59 @@ def host_memory(reserve_bytes: int | None = None) -> HostMemory:
     # With a limit set, what this process holds now (pinned pools are resident) counts
     # against it, in place of what the OS says the machine has free.
     free = vm.available if own is None else own - psutil.Process().memory_info().rss
-    host = max(free - reserve, 0)
+    # Pools already made whose pages are not in memory yet (pageable memory is taken as it is
+    # first written; pinned memory is resident) will take them: neither figure shows them.
+    promised = promised_bytes()
+    host = max(free - promised - reserve, 0)
     cg = cgroup_limit_and_usage()
     if cg is None:
-        return HostMemory(host, host, None, None, reserve, vm.total, own)
+        return HostMemory(host, host, None, None, reserve, vm.total, own, None, promised)
     limit, usage = cg
-    cg_avail = max(limit - usage - reserve, 0)
-    return HostMemory(min(host, cg_avail), host, cg_avail, limit, reserve, vm.total, own, getattr(cg, "path", None))
+    cg_avail = max(limit - usage - promised - reserve, 0)
+    return HostMemory(min(host, cg_avail), host, cg_avail, limit, reserve, vm.total, own, getattr(cg, "path", None),
+                      promised)
+
+
+# Every live HostBuffer: what pools made so far have been promised (promised_bytes).
+_BUFFERS: "weakref.WeakSet[HostBuffer]" = weakref.WeakSet()
+
+
+def promised_bytes() -> int:
+    """Bytes of live host buffers (every host pool's) that no memory backs yet: a pageable
+    buffer is backed as it is first written, so a second pool checked against what the OS
+    reports free would be let take the same memory as the first (CPU-only torch pins nothing).
+    0 where residency cannot be read."""
+    total = 0
+    for b in list(_BUFFERS):
+        t = b.tensor
+        n = t.numel() * t.element_size()
+        if n and not b.pinned:
+            held = resident_bytes(t)
+            total += 0 if held is None else max(n - held, 0)
+    return total
+
+
+def resident_bytes(t: torch.Tensor) -> int | None:
+    """Bytes of ``t``'s memory in RAM now, by ``mincore`` (a byte per page, read in one call);
+    None where that cannot be read."""
+    import ctypes
+
+    n = t.numel() * t.element_size()
+    if not n:
+        return 0
+    page = mmap.PAGESIZE
+    lo = t.data_ptr() // page * page
+    pages = -(-(t.data_ptr() + n - lo) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(pages * page), vec) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    import numpy as np
+    resident = int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
+    return min(resident * page, n)
 
 
 POOL_FIX = (f"Shrink the pool (host_size_tokens, host_size in GB, or host_to_device_ratio) or lower the reserve "
@@ -355,6 +402,7 @@ class HostBuffer:
         self.huge_pages = huge
         self.tensor = _advised(shape, dtype) if huge else torch.empty(shape, dtype=dtype, device="cpu")
         self.pinned = False
+        _BUFFERS.add(self)
         if want and self.tensor.numel():
             _register(self.tensor)
             self.pinned = True
@@ -369,6 +417,7 @@ class HostBuffer:
             raise RuntimeError("pin=True needs CUDA; CPU-only torch cannot pin memory")
         self = cls.__new__(cls)
         self.huge_pages, self.tensor, self.pinned = False, tensor, False
+        _BUFFERS.add(self)
         if want and tensor.numel():
             if tensor.is_pinned():
                 self.pinned = True

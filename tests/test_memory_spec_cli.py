@@ -51,7 +51,7 @@ def test_the_cgroup_limit_is_read_from_the_process_own_cgroup_under_either_versi
     monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path)
     monkeypatch.setattr(memory, "PROC_CGROUP", proc)
     mem = memory.host_memory(1 << 30)
-    assert mem.cgroup_limit == limit and mem.cgroup_available == limit - usage - (1 << 30)
+    assert mem.cgroup_limit == limit and mem.cgroup_available == limit - usage - mem.promised - (1 << 30)
     assert mem.cgroup_path == room.path
     assert mem.available == min(mem.host_available, mem.cgroup_available)
 

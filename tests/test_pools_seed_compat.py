@@ -325,3 +325,24 @@ def test_a_bad_device_pool_device_or_layer_id_is_named():
         with pytest.raises(ValueError, match=r"layer_id must be an integer in 0\.\.1"):
             host.load_to_device_per_layer(dev, h, torch.arange(4), bad, "direct")
     host.load_to_device_per_layer(dev, h, torch.arange(4), torch.tensor(1), "direct")
+
+
+def test_a_pool_not_yet_written_still_counts_against_the_next(monkeypatch):
+    """Pageable memory is taken as it is first written, so the OS's figures did not show a pool
+    made but not yet filled: a second pool could be promised the same memory (the seed's check
+    too), and both failed later in the OOM killer. Such pools' unwritten bytes now count."""
+    from kvtier import memory
+    monkeypatch.setenv(memory.RESERVE_ENV, "0")
+    dev = make_device_pool("mha", 64, 4, torch.bfloat16, 2)
+    free = memory.host_memory().available
+    monkeypatch.setenv(memory.LIMIT_ENV, str((memory.psutil.Process().memory_info().rss + 0.5e9) / 1e9))
+    per_token = dev.spec.bytes_per_token
+    tokens = int(0.3e9) // per_token // 4 * 4                          # 0.3 GB, never written
+    first = MHATokenToKVPoolHost(dev, 0, 0, 4, "page_first", host_size_tokens=tokens, pin_memory=False)
+    assert memory.promised_bytes() >= 0.3e9 - 4096 and free > 0.6e9
+    with pytest.raises(MemoryError, match="needs 0.30 GB of host memory but only 0.2"):
+        MHATokenToKVPoolHost(dev, 0, 0, 4, "page_first", host_size_tokens=tokens, pin_memory=False)
+    first.kv_buffer.view(torch.uint8).view(-1).fill_(1)               # written: in RSS now, no longer promised
+    assert memory.promised_bytes() < 0.01e9
+    del first
+    MHATokenToKVPoolHost(dev, 0, 0, 4, "page_first", host_size_tokens=tokens, pin_memory=False)
