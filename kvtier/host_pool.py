@@ -14,6 +14,7 @@ signals.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -26,7 +27,8 @@ import torch
 from .allocator import AllocatorError, PageAllocator, tokens_to_pages
 from .device_pool import as_rows, layer_attr
 from .layouts import HostLayout, Placement, get_layout
-from .memory import GB, HostBuffer, check_host_memory, gpu_available, huge_page_bytes, resolve_huge_pages
+from .memory import (GB, HostBuffer, cgroup_limit_and_usage, check_host_memory, gpu_available, host_memory,
+                     huge_page_bytes, resolve_huge_pages)
 from .spec import DSA, MHA, MLA, KVSpec, dsa_index_row_bytes
 from .transfer.base import TransferPart, get_backend
 from .transfer import direct as _direct  # noqa: F401  (registers the direct backend)
@@ -61,6 +63,29 @@ def spec_of(device_pool, kind: str) -> KVSpec:
         kind, device_pool.layer_num, dtype, kv_lora_rank=device_pool.kv_lora_rank,
         qk_rope_head_dim=device_pool.qk_rope_head_dim, **extra,
     )
+
+
+def synchronized(method):
+    """Run ``method`` holding its pool's ``lock`` (the seed's decorator, for subclasses)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
+def get_cgroup_memory_limit_and_current() -> tuple[int, int] | None:
+    """The seed's name: ``(limit, usage)`` bytes of this process's tightest cgroup memory limit
+    (:func:`kvtier.memory.cgroup_limit_and_usage`), None where none applies."""
+    room = cgroup_limit_and_usage()
+    return None if room is None else (int(room[0]), int(room[1]))
+
+
+def get_available_host_memory_bytes(reserve_bytes: int) -> tuple[int, int, int | None]:
+    """The seed's name: ``(available, host available, cgroup available or None)`` bytes, each
+    after ``reserve_bytes`` (:func:`kvtier.memory.host_memory`)."""
+    mem = host_memory(reserve_bytes)
+    return mem.available, mem.host_available, mem.cgroup_available
 
 
 class HostKVCache:
@@ -415,18 +440,18 @@ class HostKVCache:
 
     # Under ``self.lock``, as the seed's were: a caller holding it holds the allocator.
 
+    @synchronized
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """Token indices of ``need_size / page_size`` free pages, or None if full."""
-        with self.lock:
-            return self.allocator.alloc(need_size)
+        return self.allocator.alloc(need_size)
 
+    @synchronized
     def free(self, indices) -> int:
-        with self.lock:
-            return self.allocator.free(indices)
+        return self.allocator.free(indices)
 
+    @synchronized
     def available_size(self) -> int:
-        with self.lock:
-            return self.allocator.available_size()
+        return self.allocator.available_size()
 
     @property
     def free_slots(self) -> torch.Tensor:
@@ -434,10 +459,10 @@ class HostKVCache:
         the allocator keeps pages, not this list)."""
         return self.allocator.free_token_slots()
 
+    @synchronized
     def clear(self) -> None:
         """Mark every slot free (the bytes are left as they are)."""
-        with self.lock:
-            self.allocator.clear()
+        self.allocator.clear()
 
 
 class MHATokenToKVPoolHost(HostKVCache):

@@ -346,3 +346,20 @@ def test_a_pool_not_yet_written_still_counts_against_the_next(monkeypatch):
     assert memory.promised_bytes() < 0.01e9
     del first
     MHATokenToKVPoolHost(dev, 0, 0, 4, "page_first", host_size_tokens=tokens, pin_memory=False)
+
+
+def test_the_seeds_module_level_names_are_there():
+    """``synchronized``, ``get_available_host_memory_bytes`` and ``get_cgroup_memory_limit_and_current``,
+    which subclasses and engines import from the seed's module, were missing."""
+    from kvtier import host_pool, memory
+    avail, host_avail, cg = host_pool.get_available_host_memory_bytes(0)
+    mem = memory.host_memory(0)
+    assert abs(host_avail - mem.host_available) < 0.5e9 and avail <= host_avail
+    assert (cg is None) == (host_pool.get_cgroup_memory_limit_and_current() is None)
+
+    class Counted(MHATokenToKVPoolHost):
+        @host_pool.synchronized
+        def held(self):
+            return self.lock._is_owned()
+    host = Counted(make_device_pool("mha", 64, 4, torch.bfloat16, 2), 0, 0, 4, "page_first", host_size_tokens=64)
+    assert host.held() and not host.lock._is_owned()
