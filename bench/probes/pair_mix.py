@@ -110,6 +110,13 @@ default chunks in a DMA backend of its own). Prediction: on a slow host (a DMA c
 scattered MHA tokens over 40 ms, ``host speed:``) single-token scattered pairs gain 0.05-0.15x
 at 256 MiB (half the chunks: ~10-15 ms less host work a way), a little more at 512; allocator
 pairs within 0.02x.
+After the session of 2026-12-04 with no device (planning a chunk of ~500 scattered runs 79 ->
+43 us on a CPU core, about a third of a single-token DMA call's planning): ", plan +N us" holds
+the GIL N us more each time a ``ChunkedPlan`` chunk is planned, which puts back what that
+saved. ``--case mha/page_head/1 --case mla/page_first/1 --arm "dma + dma" --arm "dma + dma, plan
++100 us"``. Prediction: on a slow host (``host speed:`` a DMA call of 32k scattered MHA tokens
+over 40 ms) the pair loses 0.05-0.15x with the 100 us (so the saving gained that much), on a
+fast one under 0.03x.
 Usage: python bench/probes/pair_mix.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE[/SLOTS] ...] [--arm NAME ...]
 """
 
@@ -117,6 +124,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from collections import Counter
 
 import torch
@@ -126,6 +134,7 @@ from kvtier.transfer import TransferEngine
 from kvtier.transfer.base import Backend, get_backend
 from kvtier.transfer.online import DUPLEX
 from kvtier.transfer.dma import DMABackend, DMAConfig
+from kvtier.transfer.dma_plan import ChunkedPlan
 from kvtier.transfer.kernel import KernelBackend, KernelConfig
 from kvtier.transfer import triton_kernels as tk
 from probelib import JsonLog, args, cell, in_turn, start, switch_interval
@@ -178,14 +187,18 @@ SIDE = re.compile(r"(dma|kernel@(\d+)) backup \+ (dma|kernel@(\d+)) load")
 # N ms (``sys.setswitchinterval``; 5 ms by default). Suffixes combine, in any order.
 # After run 147: ", triton launch" launches the gathers and scatters by Triton's full launch path
 # every call (``triton_kernels.FAST_LAUNCH`` off), against the kept launcher of the default.
-SUFFIX = re.compile(r"(.+), (?:give-way (\d+(?:\.\d+)?) ms|switch (\d+(?:\.\d+)?) ms|(triton launch))")
+# After the nineteenth session: ", plan +N us", N us more of GIL-held work per chunk planned.
+SUFFIX = re.compile(r"(.+), (?:give-way (\d+(?:\.\d+)?) ms|switch (\d+(?:\.\d+)?) ms|(triton launch)"
+                    r"|plan \+(\d+(?:\.\d+)?) us)")
 
 
 def base_and_opts(name: str) -> tuple[str, dict]:
     """An arm's name without its suffixes, and its engine settings (and ``switch_s``)."""
     opts = {}
     while m := SUFFIX.fullmatch(name):
-        if m[4]:
+        if m[5]:
+            opts.setdefault("plan_extra_s", float(m[5]) / 1e6)
+        elif m[4]:
             opts["triton_launch"] = True
         elif m[3]:
             opts.setdefault("switch_s", float(m[3]) / 1e3)
@@ -195,17 +208,35 @@ def base_and_opts(name: str) -> tuple[str, dict]:
     return name, {**ENGINE_OPTS.get(name, {}), **opts}
 
 
-def switched(fn, switch_s: float | None, triton_launch: bool = False):
+def switched(fn, switch_s: float | None, triton_launch: bool = False, plan_extra_s: float = 0.0):
     """``fn`` run with the interpreter's switch interval at ``switch_s`` (:func:`switch_interval`),
-    and with Triton's full launch path if ``triton_launch``."""
+    with Triton's full launch path if ``triton_launch``, and ``plan_extra_s`` more of GIL-held
+    work each time a :class:`ChunkedPlan` chunk is planned."""
     def run():
         with switch_interval(switch_s):
             tk.FAST_LAUNCH = not triton_launch
+            ChunkedPlan._chunk_calls = _slower(_PLAN_CHUNK, plan_extra_s) if plan_extra_s else _PLAN_CHUNK
             try:
                 return fn()
             finally:
                 tk.FAST_LAUNCH = True
+                ChunkedPlan._chunk_calls = _PLAN_CHUNK
     return run
+
+
+_PLAN_CHUNK = ChunkedPlan._chunk_calls
+
+
+def _slower(plan_chunk, extra_s: float):
+    """``plan_chunk`` holding the GIL ``extra_s`` more whenever it plans a chunk (not when it
+    hands one back already planned)."""
+    def planned(self, i):
+        if i not in self._calls:
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < extra_s:
+                pass
+        return plan_chunk(self, i)
+    return planned
 
 
 def one_side(name: str, blocks: str | None, dma):
@@ -223,7 +254,7 @@ def arm_backend(name: str, kernel, dma):
 ARMS = [sys.argv[i + 1] for i, a in enumerate(sys.argv) if a == "--arm"] or list(ALL_ARMS)
 if unknown := [a for a in ARMS if (b := base_and_opts(a)[0]) not in ALL_ARMS and not SIDE.fullmatch(b)]:
     sys.exit(f"unknown --arm {unknown}; use some of {list(ALL_ARMS)}, or 'X backup + Y load' "
-             f"with X and Y each 'dma' or 'kernel@N' (N blocks), any with ', give-way N ms', ', switch N ms' or ', triton launch' after it")
+             f"with X and Y each 'dma' or 'kernel@N' (N blocks), any with ', give-way N ms', ', switch N ms', ', triton launch' or ', plan +N us' after it")
 log = JsonLog(PATH, tokens=TOKENS, cases=["/".join(map(str, c)) for c in CASES])
 
 
@@ -269,7 +300,8 @@ def main() -> None:
         before = Counter(auto.picks)
         switch = {k: base_and_opts(k)[1].get("switch_s") for k in engines}
         slow = {k: base_and_opts(k)[1].get("triton_launch", False) for k in engines}
-        times = in_turn({k: switched(lambda e=e: measure(case, e, "both", idx, clock, 1), switch[k], slow[k])
+        extra = {k: base_and_opts(k)[1].get("plan_extra_s", 0.0) for k in engines}
+        times = in_turn({k: switched(lambda e=e: measure(case, e, "both", idx, clock, 1), switch[k], slow[k], extra[k])
                          for k, e in engines.items()}, lambda fn: fn(), warmups=1, rounds=3)
         cells = {k: cell(g, limits["backup"]) for k, g in times.items()}
         if "auto" in engines:  # what auto sent each way, exploring included, and its shared samples
@@ -283,7 +315,7 @@ def main() -> None:
                         for c, v in by.items()}
         for k, e in engines.items():  # each arm's pair timeline (ms after the backup call), one more pair
             pl = []
-            switched(lambda e=e: measure(case, e, "both", idx, clock, 1, pl), switch[k], slow[k])()
+            switched(lambda e=e: measure(case, e, "both", idx, clock, 1, pl), switch[k], slow[k], extra[k])()
             cells[k]["timeline"] = pair_note(pl)
         log(f"{kind}/{layout}/p{ps}/{slots}/both", cells)
         case.host.close()
