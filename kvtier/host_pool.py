@@ -603,12 +603,16 @@ def _size_in_pages(tokens, gb, ratio, device_size, page_size, per_token) -> int:
 
 
 def _as_index_tensor(values, name: str) -> torch.Tensor:
-    t = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
+    """``values`` as a contiguous 1-D int64 tensor: every backend reads an index tensor as
+    packed (a strided view, read so, named other slots than its values)."""
+    t = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(values))
     if t.dim() != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {tuple(t.shape)}")
     if not is_int_dtype(t.dtype):
         raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
-    return t if t.dtype == torch.int64 else t.to(torch.int64)
+    if t.dtype == torch.uint64 and t.numel() and bool((t.view(torch.int64) < 0).any()):
+        raise ValueError(f"{name} holds a slot of 2**63 or more (as uint64); slots are int64 positions in the pool")
+    return (t if t.dtype == torch.int64 else t.to(torch.int64)).contiguous()
 
 
 def _numpy(idx: torch.Tensor) -> np.ndarray:
@@ -623,5 +627,8 @@ def _check_range(idx: np.ndarray, size: int, name: str, what: str) -> None:
     if lo < 0 or hi >= size:
         raise ValueError(f"{name} holds {lo if lo < 0 else hi}, outside the {what}'s slots 0..{size - 1}")
     # Strictly increasing (runs as the allocator hands them out) is unique at O(n); else sort.
-    if idx.size > 1 and not (np.diff(idx) > 0).all() and np.unique(idx).size != idx.size:
-        raise ValueError(f"{name} names a slot twice; each slot may appear once per transfer")
+    if idx.size > 1 and not (np.diff(idx) > 0).all():
+        values, counts = np.unique(idx, return_counts=True)
+        if values.size != idx.size:
+            raise ValueError(f"{name} names slot {int(values[counts > 1][0])} twice; each slot may appear "
+                             "once per transfer")

@@ -253,3 +253,38 @@ def test_backups_move_in_host_slot_order_and_loads_as_given(si, layout, ps, seed
         assert torch.equal(part.host_raw, ref)
     for _, mh, md in kb.moves(parts, ht, dt, h, d, to_host=False):
         assert torch.equal(mh, ht) and torch.equal(md, dt)
+
+
+@pytest.mark.parametrize("direction", ["backup", "load"])
+def test_strided_index_tensors_move_the_slots_they_name(direction):
+    """A strided view of indices was read by the kernel as if packed: a backup of host slots
+    [0, 1, 2] from device slots [5, 6, 7] wrote 5, 6 and then host slot 10, which nobody named
+    (a review, 2026-12-04). Indices are made contiguous before any kernel reads them, and the
+    kernel refuses a strided one."""
+    from dataclasses import replace
+
+    from kvtier.device_pool import pool_from_spec
+    from kvtier.host_pool import host_pool_for
+    from kvtier.transfer.kernel import KernelBackend
+    spec = KVSpec("mla", 1, torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8)
+    dev = pool_from_spec(spec, 16, 1, "cpu")
+    dev.stacks["kv"].copy_(torch.arange(16.).view(1, 16, 1, 1).expand(1, 16, 1, 24))   # slot s holds s
+    host = host_pool_for(dev, "layer_first", host_size_tokens=16)
+    host.kv_buffer.fill_(-1)
+    parts = [replace(p, mapped=lambda: True) for p in host.transfer_parts()]          # as pinned parts
+    h = torch.tensor([0, 10, 1, 11, 2, 12])[::2]
+    d = torch.tensor([5, 13, 6, 14, 7, 15])[::2]
+    if direction == "backup":
+        KernelBackend().prepare(parts, h, d, True)(None)
+        assert host.kv_buffer[0, :, 0, 0].tolist() == [5, 6, 7] + [-1] * 13
+    else:
+        host.kv_buffer.copy_(torch.arange(100., 116.).view(1, 16, 1, 1).expand(1, 16, 1, 24))
+        before = dev.stacks["kv"].clone()
+        KernelBackend().prepare(parts, h, d, False)(0)
+        want = before[0, :, 0, 0].clone()
+        want[5:8] = torch.tensor([100., 101., 102.])
+        assert torch.equal(dev.stacks["kv"][0, :, 0, 0], want)
+    pl = host.placements["kv"]
+    with pytest.raises(ValueError, match="contiguous int64"):
+        copy_items(pl, host.raw_bytes("kv"), tuple(p.device_layers[0] for p in parts[:1]),
+                   layer_ptr_table(parts[0].device_layers, "cpu"), h, d, 0, 3, 0, 1, True, 8)

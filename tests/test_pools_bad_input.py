@@ -227,3 +227,20 @@ def test_alloc_free_clear_available(mha):
     assert host.alloc(4) is None
     host.clear()
     assert host.available_size() == 64
+
+
+def test_index_arrays_of_any_stride_and_clear_refusals():
+    """A reversed numpy view raised torch's own negative-stride error, a uint64 slot of 2**63
+    or more was reported as a negative slot, and the duplicate-slot message named no slot."""
+    import numpy as np
+    dev = make_device_pool("mha", 64, 4, torch.bfloat16, 2)
+    fill_random(dev, 3)
+    host, same = make_host_pool(dev, "page_first", 64), make_host_pool(dev, "page_first", 64)
+    host.backup_from_device_all_layer(dev, np.arange(8)[::-1], np.arange(8), "direct")
+    same.backup_from_device_all_layer(dev, np.arange(8)[::-1].copy(), np.arange(8), "direct")
+    assert torch.equal(host.raw_bytes("k"), same.raw_bytes("k")) and torch.equal(host.raw_bytes("v"), same.raw_bytes("v"))
+    assert not torch.equal(host.get_data_page(0), host.get_data_page(4))
+    with pytest.raises(ValueError, match=r"host_indices holds a slot of 2\*\*63 or more"):
+        host.backup_from_device_all_layer(dev, np.array([2**63 + 5], dtype=np.uint64), np.arange(1), "direct")
+    with pytest.raises(ValueError, match="host_indices names slot 3 twice"):
+        host.backup_from_device_all_layer(dev, np.array([5, 3, 3]), np.arange(3), "direct")

@@ -152,7 +152,7 @@ def numpy_if_host(idx: torch.Tensor, known):
 def on_device(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``idx`` as int64 on ``device``; a host tensor is copied by a kernel on the current stream
     (:func:`~.triton_kernels.fetch_index`: never queued behind bulk copies, never blocking the host)."""
-    idx = idx.to(torch.int64)
+    idx = idx.to(torch.int64).contiguous()  # the kernels read an index as packed int64s
     if idx.device == device:
         return idx
     if device.type != "cuda" or interpreting():

@@ -291,8 +291,8 @@ def copy_items(pl: Placement, buf: torch.Tensor, dev_layers, dev_ptrs: torch.Ten
     """
     if buf.dim() != 1 or buf.dtype != torch.uint8:
         raise ValueError(f"buf must be a 1-D uint8 tensor, got {tuple(buf.shape)} {buf.dtype}")
-    if dev_idx.dtype != torch.int64 or (buf_idx is not None and buf_idx.dtype != torch.int64):
-        raise ValueError("index tensors must be int64")
+    if any(i is not None and (i.dtype != torch.int64 or not i.is_contiguous()) for i in (dev_idx, buf_idx)):
+        raise ValueError("index tensors must be contiguous int64 (the kernel reads them packed)")
     if n_items <= 0 or n_layers <= 0:
         return 0
     wp = wp or WordPlan.for_copy(pl, buf, dev_layers)
