@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_testlib import HeldTransferEngine, kv_matches, kv_values, make_cache, write_kv
+from cache_testlib import HeldTransferEngine, kv_matches, kv_values, make_cache, serve, write_kv
 from kvtier_testlib import make_device_pool, make_host_pool
 from kvtier.cache import CacheConfig, HiCache
 
@@ -453,3 +453,138 @@ def test_a_root_of_another_cache_is_still_refused(kind):
     assert full.parent is None and full.children
     with pytest.raises(ValueError, match="belongs to another cache"):
         cache.lock(full)
+
+
+# -- metrics and error paths (a review, 2026-12-04, later): each failed before its fix ----------
+
+def test_a_snapshot_never_shows_more_hits_than_queries():
+    """The counters were read without the cache's lock: a match landing between the queried and
+    the hit tokens showed a hit rate over 100%."""
+    import threading
+    cache, dev, host, _ = make_cache(page_size=4, held=False)
+    seq = list(range(16))
+    _put(cache, dev, seq)
+    stop = threading.Event()
+
+    def matcher():
+        while not stop.is_set():
+            cache.match_prefix(seq)
+    t = threading.Thread(target=matcher)
+    t.start()
+    try:
+        bad = 0
+        for _ in range(3000):
+            s = cache.metrics.snapshot()
+            bad += s["hit_tokens_total.device"] + s["hit_tokens_total.host"] > s["query_tokens_total"]
+    finally:
+        stop.set()
+        t.join()
+    assert bad == 0
+
+
+def test_a_failed_demotion_is_not_counted_as_one():
+    """A demotion was counted when its backup started, so a backup that failed, then its retry,
+    counted the same tokens twice."""
+    cache, dev, host, engine = make_cache(page_size=4, dev_pages=8, host_pages=16, write_policy="write_back")
+    _put(cache, dev, list(range(100, 108)))
+    engine.fail_backups = 1
+    assert cache.evict_device(8) == 8
+    s = cache.metrics.snapshot()
+    assert s["transfer_failures_total.backup"] == 1 and s["demoted_tokens_total"] == 8
+    assert s["evicted_tokens_total.device"] == 8
+
+
+def test_device_pages_behind_a_page_still_loading_are_device_hits():
+    """After a node another request is loading, a node only on the device was counted (and
+    advised) as host tokens: 16 host hit tokens where the host held 8, and nothing to load."""
+    cache, dev, host, engine = make_cache(page_size=4, dev_pages=8, host_pages=16, write_policy="write_back")
+    a = list(range(100, 108))
+    ac = a + list(range(200, 208))
+    serve(cache, a)
+    cache.evict_device(8)                                  # a: host only
+    m1 = cache.match_prefix(a, lock=True)
+    cache.load_back(m1)                                    # its load held in flight
+    serve(cache, ac, load=False)                           # computes a itself; c added on the device only
+    before = cache.metrics.snapshot()
+    m2 = cache.match_prefix(ac, lock=True)
+    after = cache.metrics.snapshot()
+    assert (m2.device_len, m2.host_len, m2.load_len) == (0, 16, 0)
+    assert after["hit_tokens_total.device"] - before["hit_tokens_total.device"] == 16
+    assert after["hit_tokens_total.host"] == before["hit_tokens_total.host"]
+    advice = cache.advise(m2, 1e-3)
+    assert advice.load and advice.host_tokens == 0
+    assert cache.load_back(m2).loaded_tokens == 0
+    engine.release()
+    cache.poll()
+    cache.unlock(m1.node)
+    cache.unlock(m2.node)
+
+
+def _boom(*args, **kwargs):
+    raise RuntimeError("the engine refused the backup")
+
+
+def test_an_insert_whose_write_through_backup_fails_still_inserts():
+    """The leaf was cached and the caller's slots taken, then the backup's error was raised: the
+    caller, told the insert failed, could not free its slots (they were the tree's)."""
+    cache, dev, host, engine = make_cache(page_size=4, dev_pages=8, host_pages=16)
+    engine.backup = _boom
+    seq = list(range(8))
+    own = cache.alloc_device(8)
+    write_kv(dev, own, kv_values(seq, 0))
+    assert cache.insert(seq, own) == 0
+    assert cache.match_prefix(seq).device_len == 8
+    assert cache.metrics.snapshot()["backups_skipped_total.error"] == 1
+
+
+def test_a_match_whose_hot_backup_fails_is_counted_once_and_returned():
+    """The match was counted, then its hot pages' backup raised: a caller that asked again was
+    counted again (query 8 -> 24 for two asks of 8 tokens)."""
+    cache, dev, host, engine = make_cache(page_size=4, dev_pages=8, host_pages=16,
+                                          write_policy="write_through_selective", selective_hits=1)
+    seq = list(range(8))
+    serve(cache, seq)
+    engine.backup = _boom
+    q0 = cache.metrics.snapshot()["query_tokens_total"]
+    m = cache.match_prefix(seq, lock=True)
+    assert m.device_len == 8
+    cache.unlock(m.node)
+    s = cache.metrics.snapshot()
+    assert s["query_tokens_total"] == q0 + 8 and s["backups_skipped_total.error"] >= 1
+
+
+def test_load_back_raises_another_loads_failure_before_issuing_its_own():
+    """With another load in flight failed, load_back issued its load (pages taken, the node
+    marked loading) and then raised from its last poll: the caller had no handle to wait on."""
+    cache, dev, host, engine = make_cache(page_size=4, dev_pages=8, host_pages=16)
+    a, b = list(range(100, 108)), list(range(300, 308))
+    serve(cache, a)
+    serve(cache, b)
+    engine.release()
+    cache.poll()
+    cache.evict_device(16)                                 # both host only
+    ma, mb = cache.match_prefix(a, lock=True), cache.match_prefix(b, lock=True)
+    ra = cache.load_back(ma)
+
+    def failed():
+        raise RuntimeError("DMA error")
+    ra.layer_load.done = failed
+    free = cache.device_free_tokens()
+    with pytest.raises(RuntimeError, match="DMA error"):
+        cache.load_back(mb)
+    assert cache.device_free_tokens() == free and all(n.device is None for n in cache.tree.path_to(mb.node))
+
+
+def test_clear_counts_what_it_drops():
+    """clear() freed every cached page without counting it: backed-up minus evicted host tokens
+    no longer matched what the host held."""
+    cache, dev, host, engine = make_cache(page_size=4, dev_pages=8, host_pages=16)
+    serve(cache, list(range(8)))
+    serve(cache, list(range(50, 58)))
+    engine.release()
+    cache.poll()
+    cache.clear()
+    s = cache.metrics.snapshot()
+    assert s["evicted_tokens_total.device"] == 16 and s["evicted_tokens_total.host"] == 16
+    assert s["dropped_tokens_total"] == 16
+    assert s["tokens.device.cached"] == 0 and s["tokens.host.cached"] == 0

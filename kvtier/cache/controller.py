@@ -20,6 +20,7 @@ A request's life::
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 
@@ -39,6 +40,8 @@ from ..validate import check_namespace, is_int
 from .checks import as_slots, check_pools, claim_device_pool
 from .tiers import REQUEST, TREE, Tiers, concat, tokens_of
 from .types import LoadResult, MatchResult, StorageHook
+
+logger = logging.getLogger("kvtier")
 
 
 class HiCache:
@@ -67,7 +70,7 @@ class HiCache:
         self._lock = threading.RLock()
         self.tree = RadixTree(ps)
         self.eviction_policy, self.write_policy = make_policies(config)
-        self.metrics = CacheMetrics(self._state)
+        self.metrics = CacheMetrics(self._state, self._lock)
         self.tiers = Tiers(device_pool, host_pool, config, self.tree, self.eviction_policy,
                            self.write_policy, self.metrics, transfer_engine, storage_hook)
 
@@ -123,19 +126,20 @@ class HiCache:
             n_dev = _ready_on_device(path)
             dev_pages = concat([n.device for n in path[:n_dev]])
             host_len = matched - len(dev_pages) * self.page_size
+            load_len = _host_only(path[n_dev:])
             node = path[-1] if path else root
             # Locked before the hot pages' backup, which may evict host pages for room: the
             # match's own host part must not be among them (it is reported cached).
             self.tree.lock(node)
             try:
                 if count:
-                    self._hit(path, n_dev, len(tokens), len(dev_pages) * self.page_size, host_len)
+                    self._hit(path, n_dev, len(tokens), matched - load_len, load_len)
             except BaseException:
                 self.tree.unlock(node)  # the caller gets no node to unlock
                 raise
             if not lock:
                 self.tree.unlock(node)  # (a root left empty is dropped)
-            return MatchResult(tokens_of(dev_pages, self.page_size), host_len, node, namespace)
+            return MatchResult(tokens_of(dev_pages, self.page_size), host_len, node, namespace, load_len)
 
     def count_match(self, match: MatchResult, n_tokens: int) -> None:
         """What :meth:`match_prefix` does for a hit, for a match made with ``count=False`` (and
@@ -149,13 +153,16 @@ class HiCache:
         with self._lock:
             self._check_node(match.node)
             path = self.tree.path_to(match.node)
-            self._hit(path, _ready_on_device(path), n_tokens, match.device_len, match.host_len)
+            # As the match found them (a load_back since may have brought the host part over).
+            host = match.host_only_len
+            self._hit(path, _ready_on_device(path), n_tokens, match.total_len - host, host)
 
-    def _hit(self, path: list[Node], n_dev: int, n_tokens: int, device_len: int, host_len: int) -> None:
+    def _hit(self, path: list[Node], n_dev: int, n_tokens: int, on_device: int, host_only: int) -> None:
         """A query of ``n_tokens`` matched ``path`` (its first ``n_dev`` nodes ready on the
-        device): counted as ``device_len`` and ``host_len`` tokens found in each tier."""
+        device): ``on_device`` tokens found there (after a page still loading, a page on the
+        device is a device hit), ``host_only`` on the host only."""
         self.tree.touch(path, hit=True)
-        self._count_match(n_tokens, device_len, host_len)
+        self._count_match(n_tokens, on_device, host_only)
         self._backup_hot(path[:n_dev])
 
     def lock(self, node: Node) -> None:
@@ -258,7 +265,18 @@ class HiCache:
         self.tree.set_device(leaf, pages, ready=True)
         self.tree.touch(self.tree.path_to(leaf), hit=False)
         if self.engine is not None and self.write_policy.backup_on_insert(leaf):
-            self.tiers.start_backup([leaf])
+            self._optional_backup([leaf])
+
+    def _optional_backup(self, nodes: list[Node]) -> None:
+        """A backup the cache may go without (write-through, a hot page's): one that fails to
+        start (its engine raised, or a poll raised another transfer's failure, which the next
+        poll raises again) is skipped and counted, not raised from an insert or a match that
+        has already changed the tree."""
+        try:
+            self.tiers.start_backup(nodes)
+        except Exception as e:  # noqa: BLE001 - counted and logged; the data stays on the device
+            self.metrics.backups_skipped["error"].inc()
+            logger.warning("a backup of %d cached tokens was not started: %s", sum(len(n) for n in nodes), e)
 
     # -- host -> device --------------------------------------------------------
 
@@ -274,6 +292,7 @@ class HiCache:
             self._check_node(node)
             if node.parent is not None and node.lock_ref == 0:
                 raise ValueError("lock(match.node) before load_back: an unlocked match may be evicted meanwhile")
+            self.tiers.poll()  # another transfer's failure is raised here, before this one is issued
             path = self.tree.path_to(node)
             rest = path[_ready_on_device(path):]
             to_load = [n for n in rest if n.device is None]
@@ -293,7 +312,10 @@ class HiCache:
                 layer_load = LayerLoad(self.device_pool.layer_num, 0)
             else:
                 layer_load = handles[0] if len(handles) == 1 else CombinedLayerLoad(handles)
-            self.tiers.poll()
+            try:
+                self.tiers.poll()  # what finished meanwhile (on the CPU: this load)
+            except RuntimeError:
+                pass  # a load that failed since the poll above: every later poll raises it; this one is issued
             dev = tokens_of(concat([n.device for n in path]), self.page_size)
             return LoadResult(dev, layer_load, loaded)
 
@@ -303,7 +325,11 @@ class HiCache:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise ValueError(f"prefill_seconds_per_token must be a finite number >= 0, got {v!r}")
         with self._lock:
-            a = advise(match.host_len, self.tiers.token_bytes, self.tiers.meters[LOAD],
+            if match.host_len and not match.host_only_len:
+                # Nothing to move: the host part is on the device behind a page another request is
+                # loading; load_back waits for that load, which recomputing would not beat.
+                return Advice(True, 0, 0, 0.0, match.host_len * float(v), self.tiers.meters[LOAD].bps)
+            a = advise(match.host_only_len, self.tiers.token_bytes, self.tiers.meters[LOAD],
                        float(prefill_seconds_per_token), self.config.advisor_margin)
             if a.host_tokens:
                 self.metrics.advice[a.decision].inc()
@@ -397,7 +423,7 @@ class HiCache:
             return
         hot = [n for n in device_path if n.host is None and n.op is None and self.write_policy.backup_on_hit(n)]
         if hot:
-            self.tiers.start_backup(hot)
+            self._optional_backup(hot)
 
     def _check_node(self, node) -> None:
         if not isinstance(node, Node):
@@ -445,6 +471,11 @@ class HiCache:
             depth = {k: tiers.inflight.depth(k) for k in ("backup", "load")}
             bw = {k: m.bps for k, m in tiers.meters.items()}
             return {"tokens": tokens, "queue_depth": depth, "bandwidth": bw}
+
+
+def _host_only(nodes: list[Node]) -> int:
+    """Tokens of ``nodes`` that are on the host only (a load would move them)."""
+    return sum(len(n) for n in nodes if n.device is None)
 
 
 def _ready_on_device(path: list[Node]) -> int:

@@ -19,7 +19,7 @@ BACKUP, LOAD = "backup", "load"
 class Op:
     """One issued transfer and the nodes whose pages it reads or writes."""
 
-    __slots__ = ("kind", "nodes", "handle", "nbytes", "issued", "error")
+    __slots__ = ("kind", "nodes", "handle", "nbytes", "issued", "error", "demotion")
 
     def __init__(self, kind: str, nodes: list, handle, nbytes: int, issued: float):
         self.kind = kind
@@ -28,6 +28,7 @@ class Op:
         self.nbytes = nbytes
         self.issued = issued
         self.error: BaseException | None = None  # what stopped it (its handle raised)
+        self.demotion = False   # a backup that makes room on the device (counted when it lands)
 
     def seconds(self) -> float:
         """Issue to completion (completion as the handle saw it, or now)."""

@@ -8,6 +8,7 @@ renders it, ``start_http_server(port, registry=...)`` serves it), and
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter
@@ -48,7 +49,8 @@ class _StateCollector:
 class CacheMetrics:
     """Counters the cache increments, plus gauges read from its state."""
 
-    def __init__(self, state: Callable[[], dict]):
+    def __init__(self, state: Callable[[], dict], lock=None):
+        self._lock = lock if lock is not None else contextlib.nullcontext()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
 
@@ -74,16 +76,20 @@ class CacheMetrics:
         adv = counter("advice", "Load-or-recompute decisions", ["decision"])
         self.advice = {d: adv.labels(decision=d) for d in ("load", "recompute")}
         skip = counter("backups_skipped", "Backups not issued", ["reason"])
-        self.backups_skipped = {r_: skip.labels(reason=r_) for r_ in ("queue_full", "host_full")}
+        self.backups_skipped = {r_: skip.labels(reason=r_) for r_ in ("queue_full", "host_full", "error")}
         bp = counter("backpressure", "Requests for device room refused", ["call"])
         self.backpressure = {c: bp.labels(call=c) for c in ("alloc_device", "load_back")}
         self.storage_offered_pages = counter("storage_offered_pages", "Host pages offered to the storage hook")
         r.register(_StateCollector(state))
 
     def snapshot(self) -> dict[str, float]:
-        """Every sample as ``{"name.label1.label2": value}`` (name without the prefix)."""
+        """Every sample as ``{"name.label1.label2": value}`` (name without the prefix), read under
+        the cache's lock (``lock``): the counters of one operation are all in, or none (a match
+        between reading the queried and the hit tokens showed more hits than queries)."""
         out: dict[str, float] = {}
-        for metric in self.registry.collect():
+        with self._lock:
+            metrics = list(self.registry.collect())
+        for metric in metrics:
             for s in metric.samples:
                 if s.name.endswith("_created"):
                     continue

@@ -186,8 +186,7 @@ class Tiers:
                 freed += self._demoted(node)
             elif (self.engine is not None and self.writer.demote_on_evict(node)
                   and self.start_backup([node], demotion=True)):
-                self.metrics.demoted_tokens.inc(len(node))
-                pending += len(node.device)
+                pending += len(node.device)  # (demoted_tokens counts it when it lands: poll)
                 continue
             else:
                 freed += self.drop_subtree(node)
@@ -272,7 +271,8 @@ class Tiers:
         if host is None:
             self.metrics.backups_skipped["host_full"].inc()
             return False
-        self._issue(BACKUP, nodes, self.engine.backup, host, dev, self.host_alloc.free_pages, self.tree.set_host)
+        op = self._issue(BACKUP, nodes, self.engine.backup, host, dev, self.host_alloc.free_pages, self.tree.set_host)
+        op.demotion = demotion
         return True
 
     def start_load(self, nodes: list[Node]) -> Op | None:
@@ -323,6 +323,8 @@ class Tiers:
             self.metrics.transfer_bytes[op.kind].inc(op.nbytes)
             self.metrics.transfer_seconds[op.kind].inc(seconds)
             self.metrics.transfers[op.kind].inc()
+            if op.demotion:  # counted once its copy landed: a failed one is retried, not done
+                self.metrics.demoted_tokens.inc(sum(len(n) for n in op.nodes))
             for n in op.nodes:
                 n.op = None
                 if op.kind == BACKUP:
@@ -372,11 +374,17 @@ class Tiers:
             self.wait_oldest()
 
     def free_everything(self) -> None:
-        """Free every page the tree holds (the caller resets the tree)."""
+        """Free every page the tree holds (the caller resets the tree), counted as evicted from
+        its tier, and every node's tokens as dropped, as eviction counts them."""
         assert not len(self.inflight)
         dev = [n.device for n in self.tree.device_nodes]
         host = [n.host for n in self.tree.host_nodes]
         if dev:
-            self.release_device(concat(dev))
+            pages = concat(dev)
+            self.release_device(pages)
+            self.metrics.evicted_tokens["device"].inc(len(pages) * self.ps)
         if host:
-            self.host_alloc.free_pages(concat(host))
+            pages = concat(host)
+            self.host_alloc.free_pages(pages)
+            self.metrics.evicted_tokens["host"].inc(len(pages) * self.ps)
+        self.metrics.dropped_tokens.inc(sum(len(n) for n in self.tree.nodes()))

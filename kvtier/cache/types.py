@@ -18,12 +18,21 @@ class MatchResult:
     pages). ``host_len``: further tokens :meth:`HiCache.load_back` can bring
     from the host right after it. ``node``: opaque handle of the deepest
     matched node (covering the host part too), for lock/unlock/load_back.
+    ``load_len``: how many of ``host_len`` are on the host only, which a load
+    moves (the others are on the device already, behind a page another
+    request is loading); None: all of them.
     """
 
     device_indices: torch.Tensor
     host_len: int
     node: Node
     namespace: str
+    load_len: int | None = None
+
+    @property
+    def host_only_len(self) -> int:
+        """Tokens of the host part a load would move (``load_len``, else ``host_len``)."""
+        return self.host_len if self.load_len is None else self.load_len
 
     @property
     def device_len(self) -> int:
