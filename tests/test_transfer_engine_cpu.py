@@ -476,3 +476,53 @@ def test_the_printed_table_keeps_each_backend_in_its_column():
     last = lines[-1]
     assert last.index("52.0") > lines[0].index("direct") + len("direct")   # under kernel, not direct
     assert last.split()[5] == "-"
+
+
+def test_layer_numbers_and_bad_engine_input_are_named():
+    """layer_done(7) and layer_done(-3) of a 2-layer load answered "loaded" (on the GPU a
+    negative layer counted from the end); backup(5, 6) failed on len() and TransferEngine(a
+    device pool) on a missing attribute, before the checks that name the argument."""
+    spec = KVSpec("mla", 2, torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8)
+    dev = pool_from_spec(spec, 32, 4, "cpu")
+    host = host_pool_for(dev, "layer_first", host_size_tokens=32)
+    eng = TransferEngine(host)
+    ld = eng.load(torch.arange(4), torch.arange(4, 8))
+    for bad in (7, -3, 2, True, 1.0):
+        with pytest.raises(ValueError, match=r"layer must be an integer in 0\.\.1"):
+            ld.layer_done(bad)
+        with pytest.raises(ValueError, match=r"layer must be an integer in 0\.\.1"):
+            ld.wait_layer(bad)
+    assert ld.layer_done(1)
+    stats = (eng.stats.backups, eng.stats.backup_bytes)
+    for h, d in ((5, 6), (torch.tensor(5), torch.tensor(6)), (torch.zeros(2, 2, dtype=torch.long), torch.arange(4))):
+        with pytest.raises(ValueError, match="host_indices must be a one-dimensional sequence of slots"):
+            eng.backup(h, d)
+    assert (eng.stats.backups, eng.stats.backup_bytes) == stats
+    eng.backup([0, 1, 2, 3], [4, 5, 6, 7])
+    with pytest.raises(TypeError, match="TransferEngine moves KV for a host pool .* got MLATokenToKVPool"):
+        TransferEngine(dev)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--quick", "--kind", "mla", "--page-size", "16", "--page-size", "512"], "--quick moves 256 tokens a transfer"),
+    (["--tokens", "100", "--page-size", "64"], "--tokens 100 is not a whole number of pages of --page-size 64"),
+    (["--quick", "--tokens", "10"], "leave out --tokens"),
+    (["--quick", "--reps", "0"], "leave out --reps"),
+])
+def test_bench_transfer_refuses_what_it_cannot_time_before_any_work(args, match, tmp_path):
+    """A page size over the transfer crashed the run part way (9 rows written, then a traceback),
+    --tokens 100 --page-size 64 timed 64 tokens and said 100, and --quick's own sizes were
+    checked against flags it then ignored."""
+    out = tmp_path / "rows.json"
+    res = CliRunner().invoke(main, ["bench", "transfer", *args, "--json", str(out)])
+    assert res.exit_code == 2 and match in res.output and not out.exists(), res.output
+
+
+def test_bench_transfer_times_a_flag_given_twice_once(tmp_path):
+    out = tmp_path / "rows.json"
+    res = CliRunner().invoke(main, ["bench", "transfer", "--quick", "--kind", "mla", "--kind", "mla", "--slots",
+                                    "allocator", "--slots", "allocator", "--page-size", "16", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())
+    keys = [(r["kind"], r["layout"], r["page_size"], r["direction"], r["backend"], r["host_slots"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 9

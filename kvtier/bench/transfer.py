@@ -501,6 +501,17 @@ def table(rows: list[Row]) -> str:
 def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, spread, quick, verbose, json_path,
              plot_path):
     """Transfer bandwidth of every backend, kind, layout and page size, as a ratio to the limit."""
+    # A flag given twice times its cases once (twice, the progress bar stopped short and the JSON
+    # held the rows twice).
+    backends, kinds, page_sizes, layouts, slots = (tuple(dict.fromkeys(x))
+                                                   for x in (backends, kinds, page_sizes, layouts, slots))
+    if quick:
+        given = [f"--{n}" for n in ("tokens", "reps") if click.get_current_context().get_parameter_source(n)
+                 is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise click.BadParameter(f"--quick times 256 tokens once; leave out {' and '.join(given)}",
+                                     param_hint="--quick")
+        tokens, reps = 256, 1
     for b in backends:
         if parse_backend(b)[0] not in IO_BACKENDS:
             raise click.BadParameter(f"unknown backend {b!r}; use one of {list(IO_BACKENDS)} (kernel@N: N blocks)",
@@ -515,14 +526,20 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
                                      f"({have}); pass one of those, or add a kind that has it", param_hint="--layout")
     if tokens < 64 or reps < 1:
         raise click.BadParameter(f"need --tokens >= 64 and --reps >= 1, got {tokens} and {reps}")
+    if odd := [ps for ps in page_sizes if tokens % ps]:
+        if quick:
+            raise click.BadParameter(f"--quick moves 256 tokens a transfer, not a whole number of pages of "
+                                     f"{odd[0]}; use page sizes that divide 256", param_hint="--page-size")
+        fit = tokens // max(page_sizes) * max(page_sizes) or max(page_sizes)
+        raise click.BadParameter(f"--tokens {tokens} is not a whole number of pages of --page-size {odd[0]}: a "
+                                 f"transfer moves whole pages; use a multiple of every page size (such as {fit})",
+                                 param_hint="--tokens")
     if rounds < 1:
         raise click.BadParameter(f"need --rounds >= 1 (1: each row timed once), got {rounds}", param_hint="--rounds")
     if spread < 2:
         raise click.BadParameter(f"need --spread-pool >= 2 (the pool holds both transfers of a pair), got {spread}",
                                  param_hint="--spread-pool")
     layers = 4 if quick else None
-    if quick:
-        tokens, reps = 256, 1
     # Before any pool is made: the largest case must fit (cases run one at a time).
     need, big = host_bytes_needed(kinds, tokens, slots, spread, layers, torch.cuda.is_available())
     try:

@@ -30,7 +30,7 @@ import torch
 from . import streams
 from .backlog import Backlog
 from .base import Backend, chunk_hook, get_backend
-from ..validate import require_positive_int
+from ..validate import is_int, require_positive_int
 
 
 # The longest the background thread waits, in all, for a load being prepared (from the
@@ -127,6 +127,18 @@ class TransferHandle:
         return self._queued.exception() if self._queued is not None else None
 
 
+def _count(indices, name: str) -> int:
+    """How many slots ``indices`` names (a 1-D tensor, array or sequence), for the byte count
+    taken before the pool checks them in full."""
+    shape = getattr(indices, "shape", None)
+    if shape is not None and len(shape) == 1:
+        return int(shape[0])
+    if shape is None and isinstance(indices, (list, tuple, range)):
+        return len(indices)
+    raise ValueError(f"{name} must be a one-dimensional sequence of slots, got "
+                     f"{type(indices).__name__}{'' if shape is None else f' of shape {tuple(shape)}'}")
+
+
 class LayerLoad:
     """Completion of a layer-by-layer load: one event per layer."""
 
@@ -143,13 +155,21 @@ class LayerLoad:
 
         Does not block the host; work queued on ``stream`` afterwards sees the layer.
         """
+        self._check_layer(layer)
         if self._events is None:
             return
         s = torch.cuda.current_stream() if stream is None else stream
         s.wait_event(self._events[layer])
 
     def layer_done(self, layer: int) -> bool:
+        self._check_layer(layer)
         return self._events is None or self._events[layer].query()
+
+    def _check_layer(self, layer) -> None:
+        # A negative layer would index from the end on the GPU, a large one raise a bare
+        # IndexError there, and on the CPU either answered "loaded".
+        if not is_int(layer) or not 0 <= layer < self.layer_num:
+            raise ValueError(f"layer must be an integer in 0..{self.layer_num - 1}, got {layer!r}")
 
     def wait(self, stream=None, raise_error: bool = True) -> None:
         """Make ``stream`` wait for every layer (``raise_error``: as :meth:`TransferHandle.wait`).
@@ -248,6 +268,9 @@ class TransferEngine:
 
     def __init__(self, host_pool, io_backend: str | Backend | None = None, *, block_quota: int | None = None,
                  background_backups: bool = True):
+        if not hasattr(host_pool, "transfer_parts") or not hasattr(host_pool, "device_pool"):
+            raise TypeError(f"TransferEngine moves KV for a host pool (MHATokenToKVPoolHost, ...: it knows its "
+                            f"device pool), got {type(host_pool).__name__}")
         self.host_pool = host_pool
         self.device_pool = host_pool.device_pool
         self.device = torch.device(getattr(self.device_pool, "device", "cpu"))
@@ -289,7 +312,7 @@ class TransferEngine:
 
     def backup(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> TransferHandle:
         """Copy device slots to host slots for every layer; the handle says when done."""
-        n = self._nbytes(len(host_indices))
+        n = self._nbytes(_count(host_indices, "host_indices"))
         if self.device.type != "cuda":
             self.host_pool.backup_from_device_all_layer(self.device_pool, host_indices, device_indices, self.io_backend)
             handle = TransferHandle(n)
@@ -301,7 +324,7 @@ class TransferEngine:
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> LayerLoad:
         """Copy host slots into device slots, layer by layer; wait per layer on the handle."""
-        n = self._nbytes(len(host_indices))
+        n = self._nbytes(_count(host_indices, "host_indices"))
         if self.device.type != "cuda":
             for layer in range(self.layer_num):
                 self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer, self.io_backend)
