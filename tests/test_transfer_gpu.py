@@ -1182,7 +1182,7 @@ def test_auto_per_layer_loads_leave_no_transfer_open():
     torch.cuda.synchronize()
     auto.timings.harvest(auto.chooser)
     assert not auto.timings._pending
-    assert not auto.timings.busy(False) and not auto.timings.sharing(True)
+    assert not auto.timings.busy(False, 0) and not auto.timings.sharing(True, 0)
     ref = torch.arange(256, 384)
     for layer in range(dev.layer_num):   # the bytes all the same: against the direct backend
         host.load_to_device_per_layer(dev, h, ref, layer, "direct")
@@ -1312,3 +1312,79 @@ def test_transfers_follow_device_buffers_an_engine_replaced(backend):
     eng.backup(h2, torch.arange(128, 192)).synchronize()
     assert torch.equal(_b(host.kv_buffer[:, h2]), _b(host.kv_buffer[:, h]))
     host.close()
+
+
+def _runs(n_runs: int, run: int, every: int = 300) -> torch.Tensor:
+    """Host slots in ``n_runs`` runs of ``run`` consecutive slots, ``every`` apart (never joining)."""
+    return torch.from_numpy((np.arange(n_runs)[:, None] * every + np.arange(run)).reshape(-1).astype(np.int64))
+
+
+def test_auto_keeps_dma_for_a_shape_after_one_transfer_too_short_for_copies():
+    """A shape key covers run lengths within a power of two: MLA-like rows of 160 B in runs of
+    240 suit copies (38 KiB, over kernel_below) and in runs of 150 do not (24 KiB). One transfer
+    of the second kind took DMA off the shape for good, and one first kept it off. Now DMA stays
+    where it has samples, and a kernel-only shape is ranked again every RECHECK transfers."""
+    from kvtier.transfer.auto import RECHECK, AutoBackend
+    from kvtier.transfer.dma import DMABackend
+    from kvtier.transfer.kernel import KernelBackend
+    spec = SPECS["mla"]
+    dev, host = _pools(spec, 1, "layer_first", tokens=2048)
+    parts = host.transfer_parts()
+    a, b, d = _runs(10, 240), _runs(16, 150), torch.arange(2400)
+    auto = AutoBackend(KernelBackend(), DMABackend())              # kernel_below at its default
+    for _ in range(2 * auto.chooser.explore):
+        auto.load(parts, a, d, 0)
+        torch.cuda.synchronize()
+    assert auto.picks[("load", "dma")] >= auto.chooser.explore, auto.picks
+    auto.load(parts, b, d[: b.numel()], 0)                         # goes by the kernel
+    torch.cuda.synchronize()
+    assert all("dma" in c for c in auto._candidates.values()), auto._candidates
+    fresh = AutoBackend(KernelBackend(), DMABackend())
+    fresh.load(parts, b, d[: b.numel()], 0)                        # a kernel-only shape first ...
+    assert all(c == ["kernel"] for c in fresh._candidates.values()), fresh._candidates
+    for _ in range(RECHECK):
+        fresh.load(parts, a, d, 0)                                 # ... ranked again with these
+        torch.cuda.synchronize()
+    assert any("dma" in c for c in fresh._candidates.values()), fresh._candidates
+    for layer in range(dev.layer_num):
+        fresh.load(parts, a, d, layer)
+    torch.cuda.synchronize()
+    ref = torch.arange(2400, 4800)
+    for layer in range(dev.layer_num):
+        host.load_to_device_per_layer(dev, a, ref, layer, "direct")
+    for k, st in dev.stacks.items():
+        assert torch.equal(_b(st[:, d.cuda()]), _b(st[:, ref.cuda()])), k
+    host.close()
+
+
+def test_auto_sets_aside_a_candidate_whose_transfer_raised():
+    """A candidate that raised got no sample, so it stayed first to explore and every transfer
+    of the shape failed. It is set aside for the shape; the next transfer goes by the other."""
+    from kvtier.transfer.auto import AutoBackend
+    from kvtier.transfer.dma import DMABackend
+    from kvtier.transfer.kernel import KernelBackend
+    spec = SPECS["mla"]
+    dev, host = _pools(spec, 16, "page_first", tokens=1024)
+    dma = DMABackend()
+    auto = AutoBackend(KernelBackend(), dma)
+    parts = host.transfer_parts()
+    h, d = torch.arange(1024), torch.arange(1024)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy engine unavailable")
+    dma.runner_for = broken
+    outcomes = []
+    for _ in range(3):
+        try:
+            auto.backup(parts, h, d)
+            outcomes.append("ok")
+        except RuntimeError:
+            outcomes.append("raised")
+    torch.cuda.synchronize()
+    assert outcomes.count("raised") <= 1 and outcomes[-1] == "ok", (outcomes, auto.picks)
+    ref = host_pool_for(dev, "page_first", host_size_tokens=host.size)
+    ref.backup_from_device_all_layer(dev, h, d, "direct")
+    for c in host.component_tensors:
+        assert torch.equal(host.raw_bytes(c)[: ref.raw_bytes(c).numel()], ref.raw_bytes(c)), c
+    host.close()
+    ref.close()

@@ -369,3 +369,21 @@ def test_with_a_kernel_only_partner_a_candidate_never_timed_alone_is_still_tried
     assert c.pick(shared, ["dma", "kernel"], partner_kernel_only=True) == "kernel"
     c.record(solo, "kernel", 50.0)  # now both timed alone: the best alone, as before
     assert c.pick(shared, ["dma", "kernel"], partner_kernel_only=True) == "kernel"
+
+
+def test_transfers_on_different_gpus_do_not_share_a_link():
+    """A backup on one GPU and a load on another were filed as sharing one link (a pair sample
+    formed from them, and both directions predicted shared); their events cannot even be
+    compared on a real GPU. Timings are kept apart by device."""
+    from kvtier.transfer.online import DUPLEX, PendingTimings
+    c, t = OnlineChooser(explore=1), PendingTimings()
+    backup, load = (True, "geom", 0), (False, "geom", 1)
+    t.add(backup, "dma", 10**9, _Clock(0), _Clock(20), device=0)
+    opened = t.open(load, "kernel", _Clock(5), device=1)          # in flight on GPU 1 beside the backup
+    assert t.busy(False, 1) and not t.busy(False, 0)
+    assert not t.sharing(True, 0) and t.sharing(True, 1)
+    t.close(opened, 10**9, _Clock(25))
+    t.harvest(c)
+    assert not c.pairs and not c.samples[backup + (DUPLEX,)] and not c.samples[load + (DUPLEX,)]
+    assert c.samples[backup]["dma"] == [50.0]
+    assert not t.sharing(True, 0) and not t.sharing(False, 1)

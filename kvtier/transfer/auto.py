@@ -15,6 +15,7 @@ kernel transfer ``bytes / kernel_bw(chunk width)``.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -52,6 +53,12 @@ PITCH_ROWS = 32
 # bench/results/probe_pair_mix_h200_run121.json). So it is a candidate, kept only where
 # its pairs moved more (OnlineChooser.pick_by_pairs).
 SHARED_BACKUP_BLOCKS = 8
+# A shape left with the kernel alone (its transfers' runs too short for copies) is ranked again
+# every this many of its transfers: a shape key covers a range of run lengths (a power of two),
+# and other transfers of it may suit DMA (a review: MLA page-1 runs of 20 and 30 share a key,
+# and one transfer of the first kind kept the second off DMA for good, 40 GB/s against 50).
+RECHECK = 16
+logger = logging.getLogger("kvtier")
 
 
 @dataclass
@@ -156,6 +163,10 @@ class AutoBackend(Backend):
         self.chooser = OnlineChooser(explore)
         self.timings = PendingTimings()
         self._candidates: dict[tuple, list[str]] = {}  # per shape, ranked by the prior once
+        # Shapes left with the kernel alone because their transfers' runs were too short for
+        # copies: transfers since, ranked again every RECHECK (a shape's runs may differ).
+        self._kernel_only: dict[tuple, int] = {}
+        self._failed: dict[tuple, set[str]] = {}  # per shape: candidates whose transfer raised
         self.last_choice: list[str] = []
         self.last_blocks = 0
         self.picks: Counter = Counter()  # (direction, choice) -> transfers, for reports
@@ -193,6 +204,15 @@ class AutoBackend(Backend):
     def backup(self, parts, host_idx, dev_idx, block_quota=None):
         self.prepare(parts, host_idx, dev_idx, True, block_quota)(None)
 
+    def _set_aside(self, base: tuple, choice: str, to_host: bool) -> None:
+        """A transfer of shape ``base`` by ``choice`` raised: the shape goes by the other
+        candidates from now on (while it has any)."""
+        with self._lock:
+            if choice not in self._failed.setdefault(base, set()):
+                self._failed[base].add(choice)
+                logger.warning("auto: a %s by %s raised; that shape goes by the other candidates from now on",
+                               "backup" if to_host else "load", choice)
+
     def load(self, parts, host_idx, dev_idx, layer):
         self.prepare(parts, host_idx, dev_idx, False, whole=False)(layer)
 
@@ -225,13 +245,19 @@ class AutoBackend(Backend):
         per_run = sum(host_np.size * p.item_bytes * (p.layer_num if to_host else 1) for p in parts)
         # The run class from a count of runs alone; the runs' lengths (Runs.of: ~0.2 ms for 32k
         # scattered slots) only if DMA is ranked or chosen.
-        base = shape_key(to_host, parts, host_np, per_run)
+        # Kept per GPU: another GPU's link is another link.
+        base = shape_key(to_host, parts, host_np, per_run) + (device.index,)
         # A transfer the other way shares the link: its samples are kept apart. A backup that
         # will likely share it goes by DMA where it can (a zero-copy backup held pairs to about
         # one direction's rate); a load goes by whichever candidate's pairs moved more, both
         # transfers' bytes from the first start to the last end (OnlineChooser.pick, pair_loads).
         self.timings.harvest(self.chooser)
-        key = base + (DUPLEX,) if self.timings.sharing(to_host) else base
+        key = base + (DUPLEX,) if self.timings.sharing(to_host, device.index) else base
+        if base in self._kernel_only:
+            self._kernel_only[base] = self._kernel_only.get(base, 0) + 1
+            if self._kernel_only[base] % RECHECK == 0:
+                self._candidates.pop(base, None)  # ranked again below
+                self._kernel_only.pop(base, None)
         candidates = self._candidates.get(base)
         # The host slots in the DMA backend's order, their runs and the order: worked out once, if DMA needs them.
         for_dma = functools.cache(lambda: self.dma.in_host_order(parts, host_np, Runs.of(host_np)))
@@ -239,6 +265,8 @@ class AutoBackend(Backend):
             s_np, s_runs, order = for_dma()
             ranking = self.dma.plan_parts(parts, s_np, s_runs, order, to_host, whole, dev_np)
             candidates = self._candidates[base] = self.ranked(parts, ranking, host_np.size, to_host)
+            if all(p is None for p in ranking):
+                self._kernel_only.setdefault(base, 0)
             # Ranking plans every chunk up front (5-15 ms for 32k scattered slots), once per
             # shape: the sample starts after it, and the transfer plans afresh, as later ones
             # do, or the first candidate tried would carry that one-off cost in its sample.
@@ -246,7 +274,10 @@ class AutoBackend(Backend):
             start.record(torch.cuda.current_stream(device))
         self._dma_able[to_host] = "dma" in candidates
         partner_kernel_only = not self._dma_able.get(not to_host, True)
-        choice = self.chooser.pick(key, candidates, partner_kernel_only)
+        # A candidate whose transfer raised is set aside for the shape (else, never sampled, it
+        # would be explored again at every transfer, and every one would fail).
+        working = [c for c in candidates if c not in self._failed.get(base, ())] or candidates
+        choice = self.chooser.pick(key, working, partner_kernel_only)
         # A shared kernel backup is also tried on fewer blocks, only where the loads beside are
         # likely zero-copy too: this backup has no DMA candidate (nor, on the same rows, have the
         # loads), or the loads have none. Beside DMA loads a kernel backup on 8 blocks ran at
@@ -263,30 +294,43 @@ class AutoBackend(Backend):
             plans = self.dma.plan_parts(parts, s_np, s_runs, order, to_host, whole, dev_np)
             if all(p is None for p in plans):
                 # This transfer's runs are too short for copies (its shape key's were not): it goes
-                # by the kernel, and its sample is the kernel's, not filed as DMA's. DMA is no
-                # candidate for the shape from now on, or every later transfer of it would be
-                # planned for DMA first while DMA waits for samples it never gets.
+                # by the kernel, and its sample is the kernel's, not filed as DMA's. Where DMA has no
+                # sample for the shape yet, it is set aside (or every later transfer would be planned
+                # for DMA first while DMA waits for samples it never gets), and looked at again every
+                # RECHECK transfers; where it has, other transfers of the shape did go by it: kept.
                 choice, plans = "kernel", None
-                self._candidates[base] = [c for c in candidates if c != "dma"] or ["kernel"]
+                if not any(self.chooser.samples.get(k, {}).get("dma") for k in (base, base + (DUPLEX,))):
+                    self._candidates[base] = [c for c in candidates if c != "dma"] or ["kernel"]
+                    self._kernel_only.setdefault(base, 0)
         self.picks[("backup" if to_host else "load", choice)] += 1
-        if plans is not None:
-            inner = self.dma.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota, lazy_dev=not to_host,
+        try:
+            if plans is not None:
+                inner = self.dma.runner_for(parts, plans, order, s_np, host_idx, dev_idx, block_quota,
+                                            lazy_dev=not to_host, kernel_np=(host_np, numpy_if_host(dev_idx, dev_np)),
+                                            to_host=to_host)
+            else:
+                plans = [None] * len(parts)
+                inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota,
                                         kernel_np=(host_np, numpy_if_host(dev_idx, dev_np)), to_host=to_host)
-        else:
-            plans = [None] * len(parts)
-            inner = self.dma.runner(parts, plans, host_idx, dev_idx, block_quota,
-                                    kernel_np=(host_np, numpy_if_host(dev_idx, dev_np)), to_host=to_host)
+        except Exception:
+            self._set_aside(base, choice, to_host)
+            raise
         self.last_choice = ["kernel" if p is None else "dma" for p in plans]
         state = {"bytes": 0}
         # In flight from now: a backup's copies may be queued later, by the engine's
         # background thread, after the load that follows it asked whether it shares the link.
-        timing = self.timings.open(key, choice, start)
+        timing = self.timings.open(key, choice, start, device.index)
+
+        def failed(error: BaseException):
+            self.timings.drop(timing)
+            if isinstance(error, Exception):  # (an interrupt says nothing about the candidate)
+                self._set_aside(base, choice, to_host)
 
         def run(layer):
             try:
                 inner(layer)
-            except BaseException:
-                self.timings.drop(timing)
+            except BaseException as e:
+                failed(e)
                 raise
             state["bytes"] += per_run
             # The transfer ends with a backup, a whole load's last layer, or a single layer
@@ -300,8 +344,8 @@ class AutoBackend(Backend):
         def head():
             try:
                 inner.head()
-            except BaseException:
-                self.timings.drop(timing)
+            except BaseException as e:
+                failed(e)
                 raise
         run.head = head
         return run

@@ -188,10 +188,11 @@ def _before(a, b) -> bool:
 class _Timing:
     """One timed transfer: ``end`` is None until its last copy is queued."""
 
-    __slots__ = ("key", "candidate", "nbytes", "start", "end")
+    __slots__ = ("key", "candidate", "nbytes", "start", "end", "device")
 
-    def __init__(self, key, candidate: str, start, nbytes: int = 0, end=None):
+    def __init__(self, key, candidate: str, start, nbytes: int = 0, end=None, device=None):
         self.key, self.candidate, self.start, self.nbytes, self.end = key, candidate, start, nbytes, end
+        self.device = device  # transfers on different GPUs share no link (and their events cannot be compared)
 
     def complete(self) -> bool:
         return self.end is not None and self.end.query()
@@ -212,13 +213,14 @@ class PendingTimings:
     def __init__(self, history: int = 16):
         self._pending: list[_Timing] = []
         self._recent: deque = deque(maxlen=history)  # finished timings, for the overlaps of later ones
-        self._last_shared = {True: False, False: False}  # per direction: did its last sample share the link?
+        self._last_shared: dict[tuple, bool] = {}  # per (device, direction): did its last sample share the link?
         self._paired: list[_Timing] = []  # finished beside others still in flight: pair samples to come
         self._lock = threading.Lock()
 
-    def open(self, key, candidate: str, start) -> _Timing:
-        """A transfer starts (``start``: its start event, recorded); :meth:`close` it once queued."""
-        t = _Timing(key, candidate, start)
+    def open(self, key, candidate: str, start, device=None) -> _Timing:
+        """A transfer starts (``start``: its start event, recorded) on ``device`` (its GPU's
+        index); :meth:`close` it once queued."""
+        t = _Timing(key, candidate, start, device=device)
         with self._lock:
             self._pending.append(t)
         return t
@@ -232,20 +234,20 @@ class PendingTimings:
         with self._lock:
             self._pending = [p for p in self._pending if p is not t]
 
-    def add(self, key, candidate: str, nbytes: int, start, end) -> None:
-        self.close(self.open(key, candidate, start), nbytes, end)
+    def add(self, key, candidate: str, nbytes: int, start, end, device=None) -> None:
+        self.close(self.open(key, candidate, start, device), nbytes, end)
 
-    def busy(self, to_host: bool) -> bool:
-        """True while a timed transfer in direction ``to_host`` has not finished."""
+    def busy(self, to_host: bool, device=None) -> bool:
+        """True while a timed transfer in direction ``to_host`` on ``device`` has not finished."""
         with self._lock:
-            return any(p.key[0] == to_host and not p.complete() for p in self._pending)
+            return any(p.key[0] == to_host and p.device == device and not p.complete() for p in self._pending)
 
-    def sharing(self, to_host: bool) -> bool:
-        """Whether a transfer in direction ``to_host`` starting now will likely share the link:
-        one the other way is in flight, or the last finished one this way did share it
-        (backups and loads tend to keep coming together; the first transfer of such a
+    def sharing(self, to_host: bool, device=None) -> bool:
+        """Whether a transfer in direction ``to_host`` on ``device`` starting now will likely share
+        its link: one the other way is in flight there, or the last finished one this way did
+        share it (backups and loads tend to keep coming together; the first transfer of such a
         pair is issued while the other way is still idle)."""
-        return self.busy(not to_host) or self._last_shared[to_host]
+        return self.busy(not to_host, device) or self._last_shared.get((device, to_host), False)
 
     def harvest(self, chooser: OnlineChooser) -> None:
         with self._lock:
@@ -260,7 +262,7 @@ class PendingTimings:
             if ms <= 0:
                 continue
             beside = found[id(p)] = _beside(p, spans)
-            self._last_shared[p.key[0]] = bool(beside)
+            self._last_shared[(p.device, p.key[0])] = bool(beside)
             chooser.record(_solo(p.key) + (DUPLEX,) if beside else _solo(p.key), p.candidate, p.nbytes / ms / 1e6)
             if beside:
                 paired.append(p)
@@ -283,8 +285,9 @@ class PendingTimings:
 
 
 def _beside(p: _Timing, spans) -> list[_Timing]:
-    """The transfers in ``spans`` the other way whose time overlapped ``p``'s (complete)."""
-    return [q for q in spans if q.key[0] != p.key[0] and _overlaps(p.start, p.end, q.start, q.end)]
+    """The transfers in ``spans`` the other way on the same GPU whose time overlapped ``p``'s (complete)."""
+    return [q for q in spans if q.key[0] != p.key[0] and q.device == p.device
+            and _overlaps(p.start, p.end, q.start, q.end)]
 
 
 def _solo(key) -> tuple:
