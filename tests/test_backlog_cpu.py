@@ -175,3 +175,29 @@ def test_add_whose_worker_cannot_start_leaves_no_job_behind():
     assert len(b) == 0
     b.pump()
     assert ran == []
+
+
+def test_a_wait_for_one_job_does_not_also_wait_for_the_next():
+    """pump(upto) checked ``upto`` only before waiting for the lock: a caller that waited while
+    the worker ran ``upto`` then waited for the next job as well (a review: 0.25 s for a 0.05 s
+    job, the next taking 0.2 s), so a wait on one backup waited for the next one's queueing."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow():
+        started.set()
+        release.wait(5)
+
+    with ThreadPoolExecutor(1) as pool:
+        turns = []
+        b = Backlog(turns.append)
+        f0 = b.add(slow)
+        worker = pool.submit(turns.pop())
+        assert started.wait(5)
+        f1 = b.add(lambda: time.sleep(0.3))
+        threading.Timer(0.05, release.set).start()
+        t0 = time.perf_counter()
+        b.pump(f0)
+        waited = time.perf_counter() - t0
+        assert f0.done() and waited < 0.25, waited
+        worker.result(5)
+        assert f1.done()

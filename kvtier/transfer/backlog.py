@@ -27,6 +27,9 @@ from typing import Callable
 # ``done`` queues a backup's pending copies itself once the thread has queued nothing for this
 # long: a 128 MiB chunk is ~2.4 ms of copying on an H200 and the thread queues one in ~0.2 ms.
 STALL_S = 0.001
+# How often a caller waiting for another thread's job looks whether its own is done (the wait
+# itself holds no GIL).
+WAIT_POLL_S = 0.0005
 
 
 class Backlog:
@@ -71,8 +74,18 @@ class Backlog:
         if if_stalled and not self.stalled():
             return
         while upto is None or not upto.done():
-            with self._lock:
-                if not self._jobs:
+            if upto is None:
+                self._lock.acquire()
+            else:
+                # Waiting for another thread's job: ``upto`` may finish meanwhile, and then the
+                # job after it is not this caller's to wait for (the lock is not fair: the worker
+                # may take it again first, and a wait on one backup waited for the next one's
+                # queueing too).
+                while not self._lock.acquire(timeout=WAIT_POLL_S):
+                    if upto.done():
+                        return
+            try:
+                if not self._jobs or (upto is not None and upto.done()):
                     return
                 job, fut = self._jobs.popleft()
                 self._progress = time.perf_counter()
@@ -84,6 +97,8 @@ class Backlog:
                         raise
                 else:
                     fut.set_result(None)
+            finally:
+                self._lock.release()
 
     def __len__(self) -> int:
         """Jobs not yet started."""

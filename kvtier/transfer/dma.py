@@ -34,10 +34,10 @@ import torch
 
 from . import streams
 from .base import Backend, TransferPart, between_chunks
-from .cudart import has_batch, memcpy2d, memcpy_batch
-from .dma_plan import (RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, HostOrder, LayerChunkedPlan, PoolPlan,
-                       Runs, choose_group, dma_capable, grouped_plan, layer_major, mean_copy_bound, narrow_layer_rows,
-                       pool_placement, pool_row_bytes, run_class)
+from .cudart import has_batch, memcpy1d, memcpy2d, memcpy_batch
+from .dma_plan import (MAX_PITCH, RAMP_MIN_BYTES, ChunkedPlan, DMAPlan, GroupedPlan, HostOrder, LayerChunkedPlan,
+                       PoolPlan, Runs, choose_group, dma_capable, grouped_plan, layer_major, mean_copy_bound,
+                       narrow_layer_rows, pool_placement, pool_row_bytes, run_class)
 from .kernel import KernelBackend, PartTables, check_mapped, host_numpy, numpy_if_host, on_device
 from .timing import event_seconds
 from .triton_kernels import copy_items
@@ -261,6 +261,7 @@ class DMABackend(Backend):
         self.tables = PartTables()
         self.fallback = fallback or KernelBackend()
         self._rings: dict[tuple[int, bool], StagingRing] = {}
+        self._ring_lock = threading.Lock()
         self._rates: dict[tuple, float] = {}
         self._groups: dict[tuple, int] = {}
         self._rate_lock = threading.RLock()
@@ -269,10 +270,16 @@ class DMABackend(Backend):
 
     def ring(self, device: torch.device, to_host: bool) -> StagingRing:
         key = (device.index, to_host)
-        if key not in self._rings:
-            # Loads feed the forward pass: their side stream runs at high priority.
-            self._rings[key] = StagingRing(device, self.config, 0 if to_host else -1)
-        return self._rings[key]
+        ring = self._rings.get(key)
+        if ring is None:
+            # Made once under a lock: two threads' first transfers each making one would leave
+            # one ring's staging, still read by its copies, to a side stream handed back.
+            with self._ring_lock:
+                ring = self._rings.get(key)
+                if ring is None:
+                    # Loads feed the forward pass: their side stream runs at high priority.
+                    ring = self._rings[key] = StagingRing(device, self.config, 0 if to_host else -1)
+        return ring
 
     def plan_part(self, part: TransferPart, host_np: np.ndarray, to_host: bool,
                   whole: bool = True, runs: Runs | None = None,
@@ -740,4 +747,7 @@ def _issue(tall: np.ndarray, flat: np.ndarray, host_base: int, stg_base: int, to
         memcpy_batch(dst, src, flat[:, 2].astype(np.uint64), stream)
         return
     for a, b, w in zip(dst.tolist(), src.tolist(), flat[:, 2].tolist()):
-        memcpy2d(a, w, b, w, w, 1, stream)
+        if w > MAX_PITCH:  # a 2-D call refuses a pitch past the device's (staging chunks of 2 GiB+)
+            memcpy1d(a, b, w, stream)
+        else:
+            memcpy2d(a, w, b, w, w, 1, stream)

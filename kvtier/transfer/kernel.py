@@ -9,6 +9,7 @@ no staging and no copy engine. The cost is SMs: a transfer occupies at most
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from dataclasses import dataclass, replace
 
@@ -106,14 +107,18 @@ class PartTables:
 
     def __init__(self):
         self._tables: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}
+        self._lock = threading.Lock()  # one table per part, whichever thread asks first
 
     def _hit(self, part: TransferPart, device: torch.device):
         key = id(part)
         hit = self._tables.get(key)
         if hit is None or hit[0]() is not part:
-            hit = (weakref.ref(part, functools.partial(_forget, self._tables, key)),
-                   layer_ptr_table(part.device_layers, device), layers_gcd(part.device_layers), {})
-            self._tables[key] = hit
+            with self._lock:
+                hit = self._tables.get(key)
+                if hit is None or hit[0]() is not part:
+                    hit = (weakref.ref(part, functools.partial(_forget, self._tables, key)),
+                           layer_ptr_table(part.device_layers, device), layers_gcd(part.device_layers), {})
+                    self._tables[key] = hit
         return hit
 
     def paged(self, part: TransferPart, chunk_cap: int) -> TransferPart | None:
