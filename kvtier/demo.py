@@ -73,22 +73,26 @@ def _warm_up(model, o: dict) -> None:
     """One throwaway prefill and decode, so the first mode does not pay for library start-up."""
     from .engine import Engine
 
+    from .engine.scheduler import slots_needed
+
     cfg = _engine_config(o, "none")
     n = max(1, min(512, cfg.device_tokens // 2))
-    Engine(model, cfg).generate([[i % model.config.vocab_size for i in range(n)]], max_new_tokens=2)
+    new = 2 if slots_needed(n, 2) <= cfg.device_tokens // cfg.page_size * cfg.page_size else 1
+    Engine(model, cfg).generate([[i % model.config.vocab_size for i in range(n)]], max_new_tokens=new)
 
 
 def _checked(o: dict, modes: tuple[str, ...]):
     """The model's config (the checkpoint's, where one is given), once every flag has been
     checked: shapes, workload, device, layout and io backend, and that the weights and pools
     fit in host memory; a click error names what is wrong, before anything is built."""
-    from .commands import check_engine_flags
+    from .commands import check_device_flag, check_engine_flags
     from .engine.checkpoint import checkpoint_config
     from .engine.engine import check_weights_fit
     from .engine.scheduler import slots_needed
     from .engine.workload import Workload
     from .memory import check_host_memory, resolve_huge_pages
 
+    check_device_flag(o["device"])  # before the engine configs, which would name no flag
     try:
         mcfg = _model_config(o)
         if o["checkpoint"]:

@@ -239,3 +239,33 @@ def test_a_bad_request_is_refused_when_added_and_the_others_still_finish(prompt,
         assert len(good.output_ids) == 4
         if mode != "none":
             assert_all_released(e)
+
+
+def test_a_request_sharing_a_prefix_still_loading_is_admitted_when_it_fits():
+    """Two requests share a prefix on the host only; the first one's load is in flight (held
+    here, as a GPU load is within one scheduling step) when the second is matched. The prefix
+    is on the device behind that load, locked, so it was counted both as room the second needed
+    and as room not free: the second, which fits, was refused (a review)."""
+    from cache_testlib import make_cache, serve
+    from kvtier.engine.kv_manager import PrefixCache
+    from kvtier.engine.sequence import Sequence
+    cache, dev, host, held = make_cache(page_size=4, dev_pages=5, host_pages=16)
+    prefix = list(range(1, 9))                                  # two pages
+    serve(cache, prefix + [9])
+    held.release()
+    cache.poll()
+    cache.evict_device(20)                                      # the prefix on the host only
+    kv = PrefixCache(cache)
+    a, b = Sequence(prefix + [10, 11, 12], 5), Sequence(prefix + [13, 14, 15], 1)
+    assert kv.admit(a) and a.reused_host == 8                    # its load issued, still held
+    m = cache.match_prefix(b.token_ids[:-1], lock=True, count=False)
+    assert (m.device_len, m.host_len, m.load_len) == (0, 8, 0)
+    cache.unlock(m.node)
+    assert kv.admit(b)                                           # 3 own tokens: one page, and two are free
+    assert b.slots[:8] == a.slots[:8]
+    held.release()
+    cache.poll()
+    for s in (a, b):
+        s.num_computed = len(s.token_ids)
+        kv.release(s)
+    assert cache.device_free_tokens() == 20 and not cache.tree.locked_nodes

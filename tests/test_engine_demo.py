@@ -230,3 +230,37 @@ def test_the_demo_says_up_front_that_bf16_on_the_cpu_is_not_exact():
     res = CliRunner().invoke(main, ["demo", *TINY, "--dtype", "bf16", "--modes", "none,gpu", "--plot", ""])
     assert "note: torch.bfloat16 on the CPU is not exact" in res.output, res.output
     assert res.output.index("note:") < res.output.index("outputs identical")
+
+
+def test_the_demo_warm_up_fits_the_smallest_device_pool():
+    """The warm-up asked for two new tokens on half the pool: with one slot its request could
+    not fit, and the demo failed with a traceback after its checks had passed (a review)."""
+    res = CliRunner().invoke(main, ["demo", "--clients", "1", "--rounds", "1", "--system-tokens", "0",
+                                    "--user-tokens", "1", "--output-tokens", "1", "--device-tokens", "1",
+                                    "--page-size", "1", "--modes", "none", "--plot", "", "--hidden", "32",
+                                    "--layers", "1", "--intermediate", "48"])
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(use_advisor="no"), "use_advisor must be True or False"),
+    (dict(exact=1), "exact must be True or False"),
+    (dict(device="gpu"), "device must be 'cpu' or 'cuda'"),
+])
+def test_engine_config_names_a_bad_switch_or_device(kw, match):
+    from kvtier.engine import EngineConfig
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
+
+
+@pytest.mark.parametrize("prompt", [None, 5, {1, 2}, (t for t in [1, 2])])
+def test_a_prompt_that_is_no_sequence_is_named(prompt):
+    import torch
+
+    from kvtier.engine import Engine, EngineConfig, tiny
+    from kvtier.engine.engine import make_model
+    e = Engine(make_model(tiny("llama", hidden_size=32, n_layers=1, n_heads=2, intermediate_size=48, vocab_size=50),
+                          EngineConfig(), 0), EngineConfig(prefix_cache="none", device_tokens=64, page_size=4))
+    with pytest.raises(ValueError, match="a prompt is a sequence of token ids"):
+        e.add_request(prompt, 2)
+    assert e.add_request(torch.tensor([1, 2, 3]), 1).token_ids == [1, 2, 3]

@@ -58,7 +58,8 @@ class CacheMetrics:
             return Counter(PREFIX + name, doc, labels, registry=r)
 
         self.query_tokens = counter("query_tokens", "Whole-page prompt tokens looked up")
-        hits = counter("hit_tokens", "Prompt tokens found, by the tier that held them", ["tier"])
+        hits = counter("hit_tokens", "Prompt tokens found, by the tier that held them (host hits the "
+                       "advisor had recomputed too: see advice)", ["tier"])
         self.hit_tokens = {t: hits.labels(tier=t) for t in TIERS}
         ev = counter("evicted_tokens", "Tokens evicted from a tier", ["tier"])
         self.evicted_tokens = {t: ev.labels(tier=t) for t in TIERS}

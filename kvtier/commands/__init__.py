@@ -31,14 +31,9 @@ class OutputPath(click.ParamType):
 OUTPUT_PATH = OutputPath()
 
 
-def check_engine_flags(device: str, layout: str | None, kind: str | None, io_backends=(),
-                       backend_flag: str = "--io-backend") -> None:
-    """``--device``, ``--layout`` (for a model whose KV is of ``kind``) and ``--io-backend``
-    values, checked before any work: click errors naming the flag and the choices."""
+def check_device_flag(device: str):
+    """``--device``: a torch device kvtier runs on, here; a click error naming the flag otherwise."""
     import torch
-
-    from ..layouts import get_layout
-    from ..transfer.base import IO_BACKENDS, get_backend
 
     try:
         dev = torch.device(device)
@@ -48,6 +43,17 @@ def check_engine_flags(device: str, layout: str | None, kind: str | None, io_bac
         raise click.BadParameter(f"{device!r}: kvtier runs on cpu or cuda", param_hint="--device")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise click.BadParameter(f"{device!r} but CUDA is not available here; use cpu", param_hint="--device")
+    return dev
+
+
+def check_engine_flags(device: str, layout: str | None, kind: str | None, io_backends=(),
+                       backend_flag: str = "--io-backend") -> None:
+    """``--device``, ``--layout`` (for a model whose KV is of ``kind``) and ``--io-backend``
+    values, checked before any work: click errors naming the flag and the choices."""
+    from ..layouts import get_layout
+    from ..transfer.base import IO_BACKENDS, get_backend
+
+    dev = check_device_flag(device)
     if layout is not None and kind is not None:
         try:
             get_layout(layout, kind)

@@ -172,3 +172,12 @@ class EngineConfig:
             raise ValueError(f"unknown attention {self.attention!r}; use auto, reference or sdpa")
         if self.inputs not in INPUT_COPIES:
             raise ValueError(f"unknown inputs {self.inputs!r}; use one of {INPUT_COPIES}")
+        for f in ("exact", "use_advisor"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
+        try:
+            kind = torch.device(self.device).type
+        except (RuntimeError, TypeError):
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {self.device!r}")

@@ -92,7 +92,10 @@ class PrefixCache(_Pages):
         # counted each time (a review: 1,104 hit tokens counted where requests reused 704).
         query = seq.token_ids[: seq.num_tokens - 1]
         match = self.cache.match_prefix(query, namespace=seq.namespace, lock=True, count=False)
-        need = _round_up(seq.num_tokens - match.device_len, self.page_size)
+        # What is on the device already, ready or behind another request's load still in flight
+        # (locked now, so not in the room below either: counted on both sides, a request that
+        # fitted was held back for another's whole run).
+        need = _round_up(seq.num_tokens - (match.total_len - match.host_only_len), self.page_size)
         if need > self.cache.device_free_tokens():
             self.cache.unlock(match.node)
             return False  # would fail after loading; skip the transfer
