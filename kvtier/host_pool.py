@@ -32,7 +32,7 @@ from .memory import (GB, HostBuffer, cgroup_limit_and_usage, check_host_memory, 
 from .spec import DSA, MHA, MLA, KVSpec, dsa_index_row_bytes
 from .transfer.base import TransferPart, get_backend
 from .transfer import direct as _direct  # noqa: F401  (registers the direct backend)
-from .validate import is_int, is_int_dtype, require_positive_int
+from .validate import is_int, is_int_dtype, require_index, require_positive_int
 
 logger = logging.getLogger("kvtier")
 
@@ -124,6 +124,7 @@ class HostKVCache:
         self.dtype = self.spec.store_dtype
         self.layer_num = self.spec.layer_num
         self.validate_indices = validate_indices
+        self._seed_attrs()  # before the hooks: the seed's overrides read head_num, kv_lora_rank ...
         self.size_per_token = self.get_size_per_token()
         if self.size_per_token != self.spec.bytes_per_token:
             raise ValueError(
@@ -146,8 +147,11 @@ class HostKVCache:
             requested / GB, self.size, layout, self.size_per_token, mem.available / GB,
         )
         self._kept_parts: tuple[list[tuple], list[TransferPart]] | None = None
-        self._buffers = self._allocate(pin_memory)
-        if type(self).init_kv_buffer is not HostKVCache.init_kv_buffer:
+        hooked = type(self).init_kv_buffer is not HostKVCache.init_kv_buffer
+        # With an init_kv_buffer of the subclass's own, this pool's buffers are pinned only once
+        # the hook has said which are kept (pinning touches all of them: twice the memory else).
+        self._buffers = self._allocate(False if hooked else pin_memory)
+        if hooked:
             self._adopt(self.init_kv_buffer, pin_memory)
         self.allocator = PageAllocator(self.size, page_size)
         self.lock = threading.RLock()
@@ -175,21 +179,27 @@ class HostKVCache:
         self.component_tensors = dict(zip((c.name for c in comps), tensors))
         self.pinned = buffers[0].pinned
 
+    def _seed_attrs(self) -> None:
+        """The seed's attributes of each kind (``head_num``, ``kv_lora_rank`` ...): set before the
+        hooks run, which the seed's subclasses write against them."""
+
     def _adopt(self, hook, pin: bool | None) -> None:
         """A subclass's ``init_kv_buffer`` (the seed's hook, as engines override it to place host KV in
         memory of their own: shared, registered with a store ...): the tensor it returns becomes the
         storage of ``kv_buffer``, as does an ``index_k_buffer`` it sets (DSA). Each must have the
-        shape and dtype this pool's layout gives it, on the CPU and contiguous; the buffers
-        allocated for them are then let go."""
-        ours = list(self._buffers)
-        made = {"kv_buffer": self.kv_buffer}
+        shape and dtype this pool's layout gives it, on the CPU and contiguous. Every buffer kept
+        (given, or this pool's own) is then pinned as ``pin`` says; the others are let go."""
+        # Which of this pool's buffers holds each attribute the hook may hand over.
+        made = {"kv_buffer": (0, self.kv_buffer)}
         if "index_k" in self.component_tensors:
-            made["index_k_buffer"] = self.index_k_buffer = self.component_tensors["index_k"]
+            self.index_k_buffer = self.component_tensors["index_k"]
+            made["index_k_buffer"] = (len(self._buffers) - 1, self.index_k_buffer)
+        kept = [b.tensor for b in self._buffers]
         given = {"kv_buffer": hook()}
-        if "index_k_buffer" in made and self.index_k_buffer is not made["index_k_buffer"]:
+        if "index_k_buffer" in made and self.index_k_buffer is not made["index_k_buffer"][1]:
             given["index_k_buffer"] = self.index_k_buffer
-        for at, (name, t) in zip((0, len(ours) - 1), given.items()):
-            want = made[name]
+        for name, t in given.items():
+            at, want = made[name]
             if t is want:
                 continue
             if not (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == want.dtype
@@ -198,10 +208,9 @@ class HostKVCache:
                        if isinstance(t, torch.Tensor) else type(t).__name__)
                 raise ValueError(f"init_kv_buffer() gave {name} as {got}; this pool's {self.layout} layout needs a "
                                  f"contiguous CPU tensor of {want.dtype} {tuple(want.shape)}")
-            ours[at].release()
-            ours[at] = HostBuffer.adopt(t, pin)
-        self._buffers = ours
-        self._take(ours)
+            kept[at] = t
+        self._buffers = [HostBuffer.adopt(t, pin) for t in kept]
+        self._take(self._buffers)
 
     def init_kv_buffer(self):
         """The seed's hook. Here the constructor builds the buffers, and this returns ``kv_buffer``;
@@ -283,7 +292,7 @@ class HostKVCache:
         """Copy ``device_indices`` of every layer into ``host_indices`` (device -> host)."""
         parts = self.transfer_parts(device_pool)
         backend = get_backend(io_backend, _pool_device(device_pool))
-        host_indices, device_indices = self._check_indices(host_indices, device_indices, device_pool)[:2]
+        host_indices, device_indices = self._check_indices(host_indices, device_indices, device_pool, parts=parts)[:2]
         backend.backup(parts, host_indices, device_indices, block_quota)
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id: int,
@@ -292,12 +301,11 @@ class HostKVCache:
         parts = self.transfer_parts(device_pool)
         backend = get_backend(io_backend, _pool_device(device_pool))
         layer_id = _int_value(layer_id)
-        if not is_int(layer_id) or not 0 <= layer_id < self.layer_num:
-            raise ValueError(f"layer_id must be an integer in 0..{self.layer_num - 1}, got {layer_id!r}")
-        host_indices, device_indices = self._check_indices(host_indices, device_indices, device_pool)[:2]
+        require_index("layer_id", layer_id, self.layer_num)
+        host_indices, device_indices = self._check_indices(host_indices, device_indices, device_pool, parts=parts)[:2]
         backend.load(parts, host_indices, device_indices, int(layer_id))
 
-    def _check_indices(self, host_indices, device_indices, device_pool, want_numpy: bool = False):
+    def _check_indices(self, host_indices, device_indices, device_pool, want_numpy: bool = False, parts=None):
         """``(h, d, h_np, d_np)``: both as int64 tensors, checked when ``validate_indices``,
         and their host copies when the check reads them or ``want_numpy`` (else None).
         CUDA indices are read back once here, not again by whoever plans the transfer."""
@@ -315,7 +323,7 @@ class HostKVCache:
         _check_range(hc, self.size, "host_indices", "host pool")
         # The device buffers' rows, not ``size``: SGLang-style pools keep ``size + page_size``
         # rows, and their allocator hands out slots in the last page too.
-        rows = min(p.device_layers[0].shape[0] for p in self.transfer_parts(device_pool))
+        rows = min(p.device_layers[0].shape[0] for p in (parts or self.transfer_parts(device_pool)))
         _check_range(dc, rows, "device_indices", "device pool")
         if self.KIND == DSA and self.page_size > 1:
             try:
@@ -475,15 +483,17 @@ class MHATokenToKVPoolHost(HostKVCache):
                  device="cpu", host_size_tokens=0, **kwargs):
         super().__init__(device_pool, host_to_device_ratio, host_size, page_size, layout, device,
                          host_size_tokens, **kwargs)
+        self.k_data_refs = [self.k_buffer[i] for i in range(self.layer_num)] if layout == "layer_first" else []
+        self.v_data_refs = [self.v_buffer[i] for i in range(self.layer_num)] if layout == "layer_first" else []
+        self.k_data_ptrs = self._ptr_table("k")
+        self.v_data_ptrs = self._ptr_table("v")
+
+    def _seed_attrs(self) -> None:
         self.head_num = self.spec.head_num
         self.head_dim = self.spec.head_dim
         self.element_dim = self.head_num * self.head_dim
         self.token_stride_size = self.element_dim * self.dtype.itemsize
         self.layout_dim = self.token_stride_size * self.layer_num
-        self.k_data_refs = [self.k_buffer[i] for i in range(self.layer_num)] if layout == "layer_first" else []
-        self.v_data_refs = [self.v_buffer[i] for i in range(self.layer_num)] if layout == "layer_first" else []
-        self.k_data_ptrs = self._ptr_table("k")
-        self.v_data_ptrs = self._ptr_table("v")
 
     @property
     def k_buffer(self) -> torch.Tensor:
@@ -507,12 +517,14 @@ class MLATokenToKVPoolHost(HostKVCache):
         super().__init__(device_pool, host_to_device_ratio, host_size, page_size, layout, device,
                          host_size_tokens, **kwargs)
         self.kv_buffer = self.component_tensors["kv"]
+        self.data_refs = [self.kv_buffer[i] for i in range(self.layer_num)] if layout == "layer_first" else []
+        self.data_ptrs = self._ptr_table("kv")
+
+    def _seed_attrs(self) -> None:
         self.kv_lora_rank = self.spec.kv_lora_rank
         self.qk_rope_head_dim = self.spec.qk_rope_head_dim
         self.token_stride_size = self.spec.latent_dim * self.dtype.itemsize
         self.layout_dim = self.token_stride_size * self.layer_num
-        self.data_refs = [self.kv_buffer[i] for i in range(self.layer_num)] if layout == "layer_first" else []
-        self.data_ptrs = self._ptr_table("kv")
 
     def get_ksize_per_token(self) -> int:
         """All of a token's bytes (DSA's index-K too), as the seed's MLA and DSA pools say:
@@ -536,10 +548,13 @@ class DSATokenToKVPoolHost(MLATokenToKVPoolHost):
             raise NotImplementedError("DSA host pools do not support the per_token_head latent layout")
         super().__init__(device_pool, host_to_device_ratio, host_size, page_size, layout, device,
                          host_size_tokens, **kwargs)
-        self.index_k_row_bytes = self.spec.index_k_row_bytes
         self.index_k_buffer = self.component_tensors["index_k"]
         self.index_k_refs = [self.index_k_buffer[i] for i in range(self.layer_num)]
         self.index_k_data_ptrs = self._ptr_table("index_k")
+
+    def _seed_attrs(self) -> None:
+        super()._seed_attrs()
+        self.index_k_row_bytes = self.spec.index_k_row_bytes
 
 
 HOST_POOL_CLASSES = {MHA: MHATokenToKVPoolHost, MLA: MLATokenToKVPoolHost, DSA: DSATokenToKVPoolHost}

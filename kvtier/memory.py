@@ -396,41 +396,47 @@ class HostBuffer:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool | None = None,
                  huge_pages: bool | None = None):
         huge = resolve_huge_pages(huge_pages)
-        want = gpu_available() if pin is None else pin
-        if want and not gpu_available():
-            raise RuntimeError("pin=True needs CUDA; CPU-only torch cannot pin memory")
+        want = _want_pin(pin)
         self.huge_pages = huge
         self.tensor = _advised(shape, dtype) if huge else torch.empty(shape, dtype=dtype, device="cpu")
         self.pinned = False
         _BUFFERS.add(self)
-        if want and self.tensor.numel():
-            _register(self.tensor)
-            self.pinned = True
-            self._finalizer = weakref.finalize(self, _unregister, self.tensor)
+        if want:
+            self._pin()
 
     @classmethod
     def adopt(cls, tensor: torch.Tensor, pin: bool | None = None) -> "HostBuffer":
         """A host tensor allocated elsewhere, registered for the GPU as :class:`HostBuffer` registers
         its own unless it is pinned already (its owner then keeps it so); no huge-page advice."""
-        want = gpu_available() if pin is None else pin
-        if want and not gpu_available():
-            raise RuntimeError("pin=True needs CUDA; CPU-only torch cannot pin memory")
+        want = _want_pin(pin)
         self = cls.__new__(cls)
         self.huge_pages, self.tensor, self.pinned = False, tensor, False
         _BUFFERS.add(self)
-        if want and tensor.numel():
-            if tensor.is_pinned():
-                self.pinned = True
-            else:
-                _register(tensor)
-                self.pinned = True
-                self._finalizer = weakref.finalize(self, _unregister, tensor)
+        if want and tensor.is_pinned():
+            self.pinned = True  # its owner's pinning: not this buffer's to undo
+        elif want:
+            self._pin()
         return self
+
+    def _pin(self) -> None:
+        """Register this buffer's memory for the GPU, undone when it is released or collected."""
+        if self.tensor.numel():
+            _register(self.tensor)
+            self.pinned = True
+            self._finalizer = weakref.finalize(self, _unregister, self.tensor)
 
     def release(self) -> None:
         if self.pinned and hasattr(self, "_finalizer"):
             self._finalizer()
             self.pinned = False
+
+
+def _want_pin(pin: bool | None) -> bool:
+    """Whether to pin: as asked, by default where CUDA is present (refused without it)."""
+    want = gpu_available() if pin is None else pin
+    if want and not gpu_available():
+        raise RuntimeError("pin=True needs CUDA; CPU-only torch cannot pin memory")
+    return bool(want)
 
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped: every context may use it,

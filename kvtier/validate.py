@@ -34,3 +34,9 @@ def check_namespace(namespace) -> None:
     """A cache namespace: a non-empty string."""
     if not isinstance(namespace, str) or not namespace:
         raise ValueError(f"namespace must be a non-empty string, got {namespace!r}")
+
+
+def require_index(name: str, value, n: int) -> None:
+    """``value`` must be an integer in ``0..n-1`` (Python or numpy; bools are refused)."""
+    if not is_int(value) or not 0 <= value < n:
+        raise ValueError(f"{name} must be an integer in 0..{n - 1}, got {value!r}")

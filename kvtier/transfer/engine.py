@@ -30,7 +30,7 @@ import torch
 from . import streams
 from .backlog import Backlog
 from .base import Backend, chunk_hook, get_backend
-from ..validate import is_int, require_positive_int
+from ..validate import require_index, require_positive_int
 
 
 # The longest the background thread waits, in all, for a load being prepared (from the
@@ -168,8 +168,7 @@ class LayerLoad:
     def _check_layer(self, layer) -> None:
         # A negative layer would index from the end on the GPU, a large one raise a bare
         # IndexError there, and on the CPU either answered "loaded".
-        if not is_int(layer) or not 0 <= layer < self.layer_num:
-            raise ValueError(f"layer must be an integer in 0..{self.layer_num - 1}, got {layer!r}")
+        require_index("layer", layer, self.layer_num)
 
     def wait(self, stream=None, raise_error: bool = True) -> None:
         """Make ``stream`` wait for every layer (``raise_error``: as :meth:`TransferHandle.wait`).
@@ -336,9 +335,9 @@ class TransferEngine:
         return handle
 
     def _cuda(self, host_indices, device_indices, to_host: bool, nbytes: int):
-        h, d, h_np, d_np = self.host_pool._check_indices(host_indices, device_indices, self.device_pool,
-                                                         want_numpy=True)
         parts = self.host_pool.transfer_parts()
+        h, d, h_np, d_np = self.host_pool._check_indices(host_indices, device_indices, self.device_pool,
+                                                         want_numpy=True, parts=parts)
         producer = torch.cuda.current_stream(self.device)
         stream = self._stream(to_host, producer)
         stream.wait_stream(producer)
