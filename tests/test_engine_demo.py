@@ -255,6 +255,7 @@ def test_engine_config_names_a_bad_switch_or_device(kw, match):
 
 @pytest.mark.parametrize("prompt", [None, 5, {1, 2}, (t for t in [1, 2])])
 def test_a_prompt_that_is_no_sequence_is_named(prompt):
+    import numpy as np
     import torch
 
     from kvtier.engine import Engine, EngineConfig, tiny
@@ -264,3 +265,6 @@ def test_a_prompt_that_is_no_sequence_is_named(prompt):
     with pytest.raises(ValueError, match="a prompt is a sequence of token ids"):
         e.add_request(prompt, 2)
     assert e.add_request(torch.tensor([1, 2, 3]), 1).token_ids == [1, 2, 3]
+    assert e.add_request(np.array([1, 2, 3]), 1).token_ids == [1, 2, 3]
+    with pytest.raises(ValueError, match="a prompt is a sequence of token ids"):
+        e.add_request(np.array([[1, 2, 3]]), 1)

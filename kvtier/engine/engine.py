@@ -117,10 +117,10 @@ class Engine:
 
     def _request(self, prompt: list[int], max_new_tokens: int, namespace: str = "default") -> Sequence:
         """A checked request, not yet queued: a clear error for a bad one, nothing changed."""
-        if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
+        if getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):  # a 1-D tensor or array
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple, range)):
-            raise ValueError(f"a prompt is a sequence of token ids (a list, or a 1-D tensor), "
+            raise ValueError(f"a prompt is a sequence of token ids (a list, or a 1-D tensor or array), "
                              f"got {type(prompt).__name__}")
         if not len(prompt):
             raise ValueError("a prompt needs at least one token")
