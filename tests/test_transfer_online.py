@@ -387,3 +387,14 @@ def test_transfers_on_different_gpus_do_not_share_a_link():
     assert not c.pairs and not c.samples[backup + (DUPLEX,)] and not c.samples[load + (DUPLEX,)]
     assert c.samples[backup]["dma"] == [50.0]
     assert not t.sharing(True, 0) and not t.sharing(False, 1)
+
+
+def test_a_transfer_in_flight_is_seen_by_shape_and_candidate():
+    """``auto`` keeps DMA for a shape that a DMA transfer is moving now, before its sample is in."""
+    from kvtier.transfer.online import DUPLEX, PendingTimings
+    t = PendingTimings()
+    base = (True, "geom", 24, 3, 0)
+    opened = t.open(base + (DUPLEX,), "dma", _Clock(0), device=0)
+    assert t.pending(base, "dma") and not t.pending(base, "kernel") and not t.pending((False,) + base[1:], "dma")
+    t.drop(opened)
+    assert not t.pending(base, "dma")

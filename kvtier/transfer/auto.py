@@ -210,8 +210,10 @@ class AutoBackend(Backend):
         with self._lock:
             if choice not in self._failed.setdefault(base, set()):
                 self._failed[base].add(choice)
-                logger.warning("auto: a %s by %s raised; that shape goes by the other candidates from now on",
-                               "backup" if to_host else "load", choice)
+                others = [c for c in self._candidates.get(base, ()) if c not in self._failed[base]]
+                logger.warning("auto: a %s by %s raised; %s", "backup" if to_host else "load", choice,
+                               f"that shape goes by {', '.join(others)} from now on" if others
+                               else "that shape has no other candidate, and keeps it")
 
     def load(self, parts, host_idx, dev_idx, layer):
         self.prepare(parts, host_idx, dev_idx, False, whole=False)(layer)
@@ -253,11 +255,13 @@ class AutoBackend(Backend):
         # transfers' bytes from the first start to the last end (OnlineChooser.pick, pair_loads).
         self.timings.harvest(self.chooser)
         key = base + (DUPLEX,) if self.timings.sharing(to_host, device.index) else base
-        if base in self._kernel_only:
-            self._kernel_only[base] = self._kernel_only.get(base, 0) + 1
-            if self._kernel_only[base] % RECHECK == 0:
+        seen = self._kernel_only.get(base)
+        if seen is not None:
+            if seen + 1 >= RECHECK:
                 self._candidates.pop(base, None)  # ranked again below
                 self._kernel_only.pop(base, None)
+            else:
+                self._kernel_only[base] = seen + 1
         candidates = self._candidates.get(base)
         # The host slots in the DMA backend's order, their runs and the order: worked out once, if DMA needs them.
         for_dma = functools.cache(lambda: self.dma.in_host_order(parts, host_np, Runs.of(host_np)))
@@ -283,7 +287,7 @@ class AutoBackend(Backend):
         # loads), or the loads have none. Beside DMA loads a kernel backup on 8 blocks ran at
         # 1.05x (MLA layer_first page 64, run 123).
         if (to_host and choice == "kernel" and key[-1] == DUPLEX and ("dma" not in candidates or partner_kernel_only)
-                and (throttled := self._throttled(block_quota))):
+                and (throttled := self._throttled(block_quota)) and throttled not in self._failed.get(base, ())):
             choice = self.chooser.pick_by_pairs(key, ["kernel", throttled])
             if choice == throttled:
                 block_quota = self.shared_backup_blocks
@@ -299,7 +303,8 @@ class AutoBackend(Backend):
                 # for DMA first while DMA waits for samples it never gets), and looked at again every
                 # RECHECK transfers; where it has, other transfers of the shape did go by it: kept.
                 choice, plans = "kernel", None
-                if not any(self.chooser.samples.get(k, {}).get("dma") for k in (base, base + (DUPLEX,))):
+                if not (any(self.chooser.samples.get(k, {}).get("dma") for k in (base, base + (DUPLEX,)))
+                        or self.timings.pending(base, "dma")):
                     self._candidates[base] = [c for c in candidates if c != "dma"] or ["kernel"]
                     self._kernel_only.setdefault(base, 0)
         self.picks[("backup" if to_host else "load", choice)] += 1

@@ -237,6 +237,11 @@ class PendingTimings:
     def add(self, key, candidate: str, nbytes: int, start, end, device=None) -> None:
         self.close(self.open(key, candidate, start, device), nbytes, end)
 
+    def pending(self, key, candidate: str) -> bool:
+        """Whether a transfer of ``key`` (alone or sharing the link) by ``candidate`` is in flight."""
+        with self._lock:
+            return any(p.candidate == candidate and _solo(p.key) == key for p in self._pending)
+
     def busy(self, to_host: bool, device=None) -> bool:
         """True while a timed transfer in direction ``to_host`` on ``device`` has not finished."""
         with self._lock:
