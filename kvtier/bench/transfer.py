@@ -530,7 +530,8 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
         if quick:
             raise click.BadParameter(f"--quick moves 256 tokens a transfer, not a whole number of pages of "
                                      f"{odd[0]}; use page sizes that divide 256", param_hint="--page-size")
-        fit = tokens // max(page_sizes) * max(page_sizes) or max(page_sizes)
+        every = math.lcm(*page_sizes)
+        fit = max(tokens // every * every, every)
         raise click.BadParameter(f"--tokens {tokens} is not a whole number of pages of --page-size {odd[0]}: a "
                                  f"transfer moves whole pages; use a multiple of every page size (such as {fit})",
                                  param_hint="--tokens")

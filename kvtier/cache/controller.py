@@ -329,8 +329,8 @@ class HiCache:
                 # Nothing to move: the host part is on the device behind a page another request is
                 # loading; load_back waits for that load, which recomputing would not beat.
                 return Advice(True, 0, 0, 0.0, match.host_len * float(v), self.tiers.meters[LOAD].bps)
-            a = advise(match.host_only_len, self.tiers.token_bytes, self.tiers.meters[LOAD],
-                       float(prefill_seconds_per_token), self.config.advisor_margin)
+            a = advise(match.host_only_len, self.tiers.token_bytes, self.tiers.meters[LOAD], float(v),
+                       self.config.advisor_margin)
             if a.host_tokens:
                 self.metrics.advice[a.decision].inc()
             return a

@@ -4,8 +4,9 @@ torch's ``copy_`` cannot express a pitched copy between host and device (it
 makes a strided host tensor contiguous on the CPU first), and queueing many
 small copies one Python call at a time costs microseconds each. So the DMA
 backend calls the runtime torch already loaded: ``cudaMemcpy2DAsync`` for a
-pitched copy, and ``cudaMemcpyBatchAsync`` (CUDA >= 12.8) to queue a whole
-array of 1-D copies in one call.
+pitched copy, ``cudaMemcpyBatchAsync`` (CUDA >= 12.8) to queue a whole
+array of 1-D copies in one call, and ``cudaMemcpyAsync`` for a single 1-D copy
+too long for a 2-D call's pitch.
 """
 
 from __future__ import annotations

@@ -731,7 +731,9 @@ def _issue(tall: np.ndarray, flat: np.ndarray, host_base: int, stg_base: int, to
 
     Pitched rows ``(host_off, stg_off, width, height, host_pitch, stg_pitch)`` go
     one ``cudaMemcpy2DAsync`` each; 1-D copies ``(host_off, stg_off, width)`` go
-    in one batched call when there are ``batch_min`` or more and the runtime has it.
+    in one batched call when there are ``batch_min`` or more and the runtime has it,
+    else one call each: ``cudaMemcpy2DAsync`` of one row, or ``cudaMemcpyAsync``
+    past the largest pitch a 2-D call takes.
     """
     for h, st, w, height, hp, sp in tall.tolist():
         if to_host:

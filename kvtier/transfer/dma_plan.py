@@ -820,7 +820,7 @@ def split_copies(copies: np.ndarray, max_pitch: int, tall: np.ndarray | None = N
     so they can go in one batch.
     ``tall``: :func:`tall_rows` of these copies, when the caller has it.
     """
-    if tall is None and (copies[:, 3] == 1).all():  # rows of one copy each: none is pitched
+    if (copies[:, 3] == 1).all():  # rows of one copy each: none is pitched (a given ``tall`` is all False)
         return copies[:0], np.ascontiguousarray(copies[:, :3])
     tall = tall_rows(copies, max_pitch) if tall is None else tall
     flat = copies[~tall]
