@@ -209,7 +209,8 @@ class HostKVCache:
                 raise ValueError(f"init_kv_buffer() gave {name} as {got}; this pool's {self.layout} layout needs a "
                                  f"contiguous CPU tensor of {want.dtype} {tuple(want.shape)}")
             kept[at] = t
-        self._buffers = [HostBuffer.adopt(t, pin) for t in kept]
+        self._buffers = [HostBuffer.adopt(t, pin, huge_pages=b.huge_pages and t is b.tensor)
+                         for t, b in zip(kept, self._buffers)]
         self._take(self._buffers)
 
     def init_kv_buffer(self):

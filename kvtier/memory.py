@@ -405,12 +405,13 @@ class HostBuffer:
             self._pin()
 
     @classmethod
-    def adopt(cls, tensor: torch.Tensor, pin: bool | None = None) -> "HostBuffer":
+    def adopt(cls, tensor: torch.Tensor, pin: bool | None = None, huge_pages: bool = False) -> "HostBuffer":
         """A host tensor allocated elsewhere, registered for the GPU as :class:`HostBuffer` registers
-        its own unless it is pinned already (its owner then keeps it so); no huge-page advice."""
+        its own unless it is pinned already (its owner then keeps it so). ``huge_pages``: whether
+        its memory was advised for them (as a HostBuffer's own, taken over, was)."""
         want = _want_pin(pin)
         self = cls.__new__(cls)
-        self.huge_pages, self.tensor, self.pinned = False, tensor, False
+        self.huge_pages, self.tensor, self.pinned = huge_pages, tensor, False
         _BUFFERS.add(self)
         if want and tensor.is_pinned():
             self.pinned = True  # its owner's pinning: not this buffer's to undo

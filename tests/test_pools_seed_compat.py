@@ -397,3 +397,15 @@ def test_a_seed_style_override_finds_the_seeds_attributes(kind):
     host.backup_from_device_all_layer(pool, h, torch.arange(4), "direct")
     first = "k_buffer" if kind == "mha" else "kv_buffer"
     assert torch.equal(getattr(host, first)[0][h].reshape(4, -1), getattr(pool, first)[0][:4].reshape(4, -1))
+
+
+def test_an_override_returning_the_pools_own_buffer_keeps_it_as_it_was():
+    """Taken back as the kept buffer, the pool's own tensor kept its huge-page advice but its
+    buffer said it had none (a review)."""
+    pool = EnginePool("mla", 32, 4)
+
+    class Same(MLATokenToKVPoolHost):
+        def init_kv_buffer(self):
+            return super().init_kv_buffer()
+    host = Same(pool, 0, 0, 4, "layer_first", host_size_tokens=64, huge_pages=True)
+    assert [b.huge_pages for b in host._buffers] == [True] and host.kv_buffer is host.component_tensors["kv"]

@@ -211,6 +211,8 @@ class AutoBackend(Backend):
             if choice not in self._failed.setdefault(base, set()):
                 self._failed[base].add(choice)
                 others = [c for c in self._candidates.get(base, ()) if c not in self._failed[base]]
+                if not others and "kernel" not in self._failed[base]:
+                    others = ["kernel"]
                 logger.warning("auto: a %s by %s raised; %s", "backup" if to_host else "load", choice,
                                f"that shape goes by {', '.join(others)} from now on" if others
                                else "that shape has no other candidate, and keeps it")
@@ -280,7 +282,10 @@ class AutoBackend(Backend):
         partner_kernel_only = not self._dma_able.get(not to_host, True)
         # A candidate whose transfer raised is set aside for the shape (else, never sampled, it
         # would be explored again at every transfer, and every one would fail).
-        working = [c for c in candidates if c not in self._failed.get(base, ())] or candidates
+        failed = self._failed.get(base, ())
+        # (With every candidate failed, the kernel, which moves any shape, is tried before giving up.)
+        working = ([c for c in candidates if c not in failed] or ([] if "kernel" in failed else ["kernel"])
+                   or candidates)
         choice = self.chooser.pick(key, working, partner_kernel_only)
         # A shared kernel backup is also tried on fewer blocks, only where the loads beside are
         # likely zero-copy too: this backup has no DMA candidate (nor, on the same rows, have the
