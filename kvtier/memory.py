@@ -361,25 +361,39 @@ def _address(m: mmap.mmap) -> int:
         del c
 
 
+def _smaps_fields(lo: int, hi: int):
+    """``(field, line)`` of every field line of ``/proc/self/smaps`` in a mapping that overlaps
+    the addresses ``lo .. hi - 1``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                a, b = (int(x, 16) for x in head.split("-"))
+                inside = a < hi and b > lo
+            elif inside:
+                yield head, line
+
+
 def huge_page_bytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s memory the kernel backs with transparent huge pages now (from
     ``/proc/self/smaps``: the ``AnonHugePages`` of the mappings it lies in); 0 where that
     cannot be read."""
     lo = t.data_ptr()
-    hi = lo + t.numel() * t.element_size()
-    total, inside = 0, False
     try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split(maxsplit=1)[0]
-                if "-" in head and not head.endswith(":"):
-                    a, b = (int(x, 16) for x in head.split("-"))
-                    inside = a < hi and b > lo
-                elif inside and head == "AnonHugePages:":
-                    total += int(line.split()[1]) * 1024
+        return sum(int(line.split()[1]) * 1024 for head, line in _smaps_fields(lo, lo + t.numel() * t.element_size())
+                   if head == "AnonHugePages:")
     except OSError:
         return 0
-    return total
+
+
+def vm_flags(at: int) -> list[str]:
+    """The kernel's ``VmFlags`` of the mapping that holds address ``at`` (``hg``: advised for
+    huge pages); empty where there is none."""
+    for head, line in _smaps_fields(at, at + 1):
+        if head == "VmFlags:":
+            return line.split()[1:]
+    return []
 
 
 class HostBuffer:

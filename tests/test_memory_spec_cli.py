@@ -248,20 +248,6 @@ def test_console_script_help_everywhere():
         assert res.returncode == 0 and "Usage:" in res.stdout, res.stderr
 
 
-def _vm_flags(t: torch.Tensor) -> list[str]:
-    """The kernel's VmFlags of the mapping ``t`` starts in (``/proc/self/smaps``)."""
-    at, inside = t.data_ptr(), False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(maxsplit=1)[0]
-            if "-" in head and not head.endswith(":"):
-                a, b = (int(x, 16) for x in head.split("-"))
-                inside = a <= at < b
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    return []
-
-
 @pytest.mark.parametrize("huge", [False, True])
 def test_host_buffers_ask_for_huge_pages_only_when_told(huge, monkeypatch):
     """``huge_pages=True`` (the default on Linux, ``KVTIER_HOST_HUGE_PAGES`` unset): the buffer
@@ -279,16 +265,16 @@ def test_host_buffers_ask_for_huge_pages_only_when_told(huge, monkeypatch):
     flat.copy_(torch.arange(flat.numel()).remainder(251).to(torch.uint8))
     assert int(flat[4321]) == 4321 % 251 and int(flat[-1]) == (flat.numel() - 1) % 251
     if huge:
-        assert t.data_ptr() % memory.HUGE_PAGE == 0 and "hg" in _vm_flags(t)
+        assert t.data_ptr() % memory.HUGE_PAGE == 0 and "hg" in memory.vm_flags(t.data_ptr())
         assert 0 <= memory.huge_page_bytes(t) <= t.numel() * 2
     else:
         # numpy advises huge pages for its own large arrays, heap memory included, and a tensor
         # may later be given that memory (it then shows "hg" through nobody's fault here): so
         # this is checked in a process where numpy does not.
-        code = ("import sys, torch; sys.path.insert(0, 'tests'); from test_memory_spec_cli import _vm_flags; "
+        code = ("import torch; "
                 "from kvtier import memory; import numpy as np; a = np.ones(8 << 20, np.uint8); del a; "
                 "b = memory.HostBuffer((3, 700, 1000), torch.bfloat16, pin=False, huge_pages=False); "
-                "print('hg' in _vm_flags(b.tensor), b.huge_pages)")
+                "print('hg' in memory.vm_flags(b.tensor.data_ptr()), b.huge_pages)")
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**os.environ, "NUMPY_MADVISE_HUGEPAGE": "0"})
         assert res.stdout.split() == ["False", "False"], res.stderr[-2000:]
