@@ -410,35 +410,29 @@ class HostBuffer:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool | None = None,
                  huge_pages: bool | None = None):
         huge = resolve_huge_pages(huge_pages)
-        want = _want_pin(pin)
-        self.huge_pages = huge
-        self.tensor = _advised(shape, dtype) if huge else torch.empty(shape, dtype=dtype, device="cpu")
-        self.pinned = False
-        _BUFFERS.add(self)
-        if want:
-            self._pin()
+        want = _want_pin(pin)  # refused before anything is allocated
+        self._hold(_advised(shape, dtype) if huge else torch.empty(shape, dtype=dtype, device="cpu"), huge, want)
 
     @classmethod
     def adopt(cls, tensor: torch.Tensor, pin: bool | None = None, huge_pages: bool = False) -> "HostBuffer":
         """A host tensor allocated elsewhere, registered for the GPU as :class:`HostBuffer` registers
         its own unless it is pinned already (its owner then keeps it so). ``huge_pages``: whether
         its memory was advised for them (as a HostBuffer's own, taken over, was)."""
-        want = _want_pin(pin)
         self = cls.__new__(cls)
-        self.huge_pages, self.tensor, self.pinned = huge_pages, tensor, False
+        self._hold(tensor, huge_pages, _want_pin(pin))
+        return self
+
+    def _hold(self, tensor: torch.Tensor, huge: bool, want: bool) -> None:
+        """Keep ``tensor`` (counted among the live buffers), registered for the GPU if ``want``,
+        undone when this buffer is released or collected."""
+        self.huge_pages, self.tensor, self.pinned = huge, tensor, False
         _BUFFERS.add(self)
         if want and tensor.is_pinned():
             self.pinned = True  # its owner's pinning: not this buffer's to undo
-        elif want:
-            self._pin()
-        return self
-
-    def _pin(self) -> None:
-        """Register this buffer's memory for the GPU, undone when it is released or collected."""
-        if self.tensor.numel():
-            _register(self.tensor)
+        elif want and tensor.numel():
+            _register(tensor)
             self.pinned = True
-            self._finalizer = weakref.finalize(self, _unregister, self.tensor)
+            self._finalizer = weakref.finalize(self, _unregister, tensor)
 
     def release(self) -> None:
         if self.pinned and hasattr(self, "_finalizer"):
