@@ -32,7 +32,7 @@ from .memory import (GB, HostBuffer, cgroup_limit_and_usage, check_host_memory, 
 from .spec import DSA, MHA, MLA, KVSpec, dsa_index_row_bytes
 from .transfer.base import TransferPart, get_backend
 from .transfer import direct as _direct  # noqa: F401  (registers the direct backend)
-from .validate import is_int, is_int_dtype, require_index, require_positive_int
+from .validate import device_type, is_int, is_int_dtype, require_index, require_positive_int
 
 logger = logging.getLogger("kvtier")
 
@@ -108,11 +108,7 @@ class HostKVCache:
         self.spec = spec_of(device_pool, self.KIND)
         self.layout_obj: HostLayout = get_layout(layout, self.KIND)
         _check_page_size(page_size, device_pool)
-        try:
-            on_cpu = torch.device(device).type == "cpu"
-        except (RuntimeError, TypeError):
-            on_cpu = False
-        if not on_cpu:
+        if device_type(device) != "cpu":
             raise ValueError(f"a host pool lives in host memory: device must be 'cpu', got {device!r}")
         if pin_memory and not gpu_available():
             raise ValueError("pin_memory=True needs CUDA; CPU-only torch cannot pin memory (leave it None)")

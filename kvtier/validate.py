@@ -40,3 +40,12 @@ def require_index(name: str, value, n: int) -> None:
     """``value`` must be an integer in ``0..n-1`` (Python or numpy; bools are refused)."""
     if not is_int(value) or not 0 <= value < n:
         raise ValueError(f"{name} must be an integer in 0..{n - 1}, got {value!r}")
+
+
+def device_type(device) -> str | None:
+    """The type of a torch device name or object (``"cpu"``, ``"cuda"`` ...); None for one torch
+    cannot read."""
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError, ValueError):
+        return None

@@ -35,10 +35,11 @@ def check_device_flag(device: str):
     """``--device``: a torch device kvtier runs on, here; a click error naming the flag otherwise."""
     import torch
 
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise click.BadParameter(f"{device!r} is no device; use cpu or cuda", param_hint="--device") from None
+    from ..validate import device_type
+
+    if device_type(device) is None:
+        raise click.BadParameter(f"{device!r} is no device; use cpu or cuda", param_hint="--device")
+    dev = torch.device(device)
     if dev.type not in ("cpu", "cuda"):
         raise click.BadParameter(f"{device!r}: kvtier runs on cpu or cuda", param_hint="--device")
     if dev.type == "cuda" and not torch.cuda.is_available():

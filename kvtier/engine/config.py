@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..spec import MHA, MLA, KVSpec, parse_dtype
-from ..validate import require_positive_int
+from ..validate import device_type, require_positive_int
 
 LLAMA, DEEPSEEK = "llama", "deepseek"
 MODEL_KINDS = (LLAMA, DEEPSEEK)
@@ -175,9 +175,5 @@ class EngineConfig:
         for f in ("exact", "use_advisor"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
-        try:
-            kind = torch.device(self.device).type
-        except (RuntimeError, TypeError):
-            kind = None
-        if kind not in ("cpu", "cuda"):
+        if device_type(self.device) not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {self.device!r}")
