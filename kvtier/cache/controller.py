@@ -146,7 +146,7 @@ class HiCache:
         still locked): the query and its hits counted, the path touched (recency, and the hits
         that eviction and ``write_through_selective`` go by), its hot device pages backed up.
         ``n_tokens``: the query's length, at least what it matched."""
-        found = match.device_len + match.host_len
+        found = match.total_len
         if not is_int(n_tokens) or n_tokens < found:
             raise ValueError(f"n_tokens must be the query's length, an integer >= the {found} tokens it matched, "
                              f"got {n_tokens!r}")
