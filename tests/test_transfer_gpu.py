@@ -1394,7 +1394,7 @@ def test_auto_sets_aside_a_candidate_whose_transfer_raised():
 def test_a_dma_chunk_copy_over_2_gib_goes_as_one_plain_copy():
     """A 1-D copy went as a 2-D one with its width as pitch, which the runtime refuses past
     2^31 - 1 bytes: with staging chunks of 2 GiB or more every such chunk failed (a review,
-    from reading). Past that it goes by cudaMemcpyAsync. (~9 GB of device and pinned host memory.)"""
+    from reading). Past that it goes by cudaMemcpyAsync. (~14 GB of device memory, ~9 GB of pinned host memory.)"""
     from kvtier.transfer.dma import DMABackend, DMAConfig
     from kvtier.transfer.dma_plan import MAX_PITCH
     spec = KVSpec("mha", 64, torch.bfloat16, head_num=16, head_dim=128)   # 256 KiB a token for K, as for V
@@ -1403,7 +1403,7 @@ def test_a_dma_chunk_copy_over_2_gib_goes_as_one_plain_copy():
     for st in dev.stacks.values():
         st.view(torch.uint8).random_(0, 256)
     host = host_pool_for(dev, "page_first", host_size_tokens=tokens)
-    dma = DMABackend(DMAConfig(staging_bytes=2300 << 20, buffers=1, kernel_below=0))
+    dma = DMABackend(DMAConfig(staging_bytes=2300 << 20, buffers=2, kernel_below=0))
     p = dma.plan_part(host.transfer_parts()[0], np.arange(tokens), True)
     assert max(int(p.calls(i)[1][:, 2].max()) for i in range(p.n_chunks)) > MAX_PITCH
     h = torch.arange(tokens)
