@@ -269,3 +269,26 @@ def test_a_request_sharing_a_prefix_still_loading_is_admitted_when_it_fits():
         s.num_computed = len(s.token_ids)
         kv.release(s)
     assert cache.device_free_tokens() == 20 and not cache.tree.locked_nodes
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_long_run_holds_the_engine_flat(kind):
+    """No leak over a server's life: once the host pool is full (10 workloads of fresh
+    conversations), 20 more leave the Python objects alive where they were (a kept object
+    per request would add 180; the run swings by a few) and every slot released."""
+    import gc
+    e = engine(model_of(kind), "tiers", device_tokens=192, host_tokens=512)
+
+    def wl(seed):
+        return Workload(clients=3, rounds=3, system_tokens=40, user_tokens=20, output_tokens=6, vocab_size=101,
+                        seed=seed)
+    for s in range(10):
+        run_workload(e, wl(s))
+    gc.collect()
+    before = len(gc.get_objects())
+    for s in range(10, 30):
+        run_workload(e, wl(s))
+    gc.collect()
+    grown = len(gc.get_objects()) - before
+    assert grown < 40, f"{grown} more Python objects after 180 more requests"
+    assert_all_released(e)
