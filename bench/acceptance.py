@@ -1,37 +1,28 @@
 """Issue 3's acceptance, read from `kvtier bench transfer --json` rows.
 
 Usage: python bench/acceptance.py [--readme] [--plot PNG] bench/results/transfer_h200.json [more.json ...]
+(an unknown option is a usage error, not a file name)
 Later files replace earlier ones' rows of the same (kind, layout, page, direction, slots, backend).
 Prints, for every acceptance row, each backend's GB/s and ratio, the target, how far the
-best is from it, and whether auto is within 5% of the best, as a markdown table; with --readme, the README's
-table instead (host slots as the allocator hands them out); with --plot, also a figure
+best is from it (ratios cut, not rounded, to three decimals), and whether auto is within 5% of the
+best, as a markdown table; with --readme, the README's table instead (the acceptance rows on
+host slots as the allocator hands them out); with --plot, also a figure
 of every row (kvtier.bench.transfer_plot).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
+
+from kvtier.bench.targets import TARGET_95, ratio_text, target  # noqa: F401 (TARGET_95: for readers)
 
 # One way, the same backend timed twice in one H200 run differed by a median of 0.005x and by
 # 0.02x or more in a sixth of the rows (run 30): rows this close to their target can flip.
 NEAR = 0.02
-TARGET_95 = {("mha", "layer_first"), ("mha", "page_first"), ("mla", "layer_first"), ("mla", "page_first")}
-
-
-def target(r) -> float | None:
-    """The row's target, or None where it is not one of the issue's 72 (page 16, spread pools)."""
-    if r["host_slots"] not in ("allocator", "scattered"):  # spread: a larger pool, not in the issue
-        return None
-    if r["page_size"] not in (1, 64):
-        return None
-    if r["direction"] == "both":
-        return 1.5
-    if r["host_slots"] == "allocator" and (r["kind"], r["layout"]) in TARGET_95:
-        return 0.95
-    return 0.9
-
-
+SHOWN = ("kernel", "dma", "auto")  # the README's columns; any other backend in the rows gets one after them
 DIRECTION = {"backup": "backup", "load": "per-layer load", "both": "both at once (sum)"}
 
 
@@ -40,43 +31,68 @@ def exact(r) -> float:
     return r["gbps"] / r["limit_gbps"]
 
 
+def cell(by: dict, b: str) -> str:
+    """``b``'s GB/s and ratio in a row, the ratio cut to three decimals (a miss never shows as
+    its target), or ``-``."""
+    return f"{by[b]['gbps']:.1f} ({ratio_text(exact(by[b]))}x)" if b in by else "-"
+
+
+def columns(cells: dict) -> list[str]:
+    """kernel, dma and auto, then any other backend the acceptance rows have (direct, kernel@N):
+    the best of a row is taken over every backend, so every one is shown."""
+    others = dict.fromkeys(b for key, by in cells.items() if target(next(iter(by.values()))) is not None
+                           for b in by if b not in SHOWN)
+    return list(SHOWN) + list(others)
+
+
 def readme_table(cells) -> str:
-    lines = ["| kind, layout | page | direction | kernel (32 SMs) | dma | auto |", "|---|---:|---|---:|---:|---:|"]
+    """The README's table: the acceptance rows on host slots as the allocator hands them out."""
+    names = columns(cells)
+    head = ["kernel (32 SMs)" if b == "kernel" else b for b in names]
+    lines = ["| kind, layout | page | direction | " + " | ".join(head) + " |",
+             "|---|---:|---|" + "---:|" * len(names)]
     for (k, lay, ps, d, s), by in cells.items():
-        if s == "allocator":
-            f = lambda b: f"{by[b]['gbps']:.1f} ({by[b]['ratio']:.2f}x)" if b in by else "-"  # noqa: E731
-            lines.append(f"| {k.upper()} {lay} | {ps} | {DIRECTION[d]} | {f('kernel')} | {f('dma')} | {f('auto')} |")
+        if s == "allocator" and target(next(iter(by.values()))) is not None:
+            lines.append(f"| {k.upper()} {lay} | {ps} | {DIRECTION[d]} | " + " | ".join(cell(by, b) for b in names) + " |")
     return "\n".join(lines)
 
 
-def main(paths):
-    readme = "--readme" in paths
-    plot_path = None
-    if "--plot" in paths:
-        i = paths.index("--plot")
-        if i + 1 >= len(paths) or not paths[i + 1].endswith(".png"):
-            sys.exit("--plot needs the PNG file to write next, e.g. --plot transfer.png")
-        plot_path = paths[i + 1]
-        paths = paths[:i] + paths[i + 2:]
-    paths = [p for p in paths if p != "--readme"]
+def parse(argv) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python bench/acceptance.py", allow_abbrev=False, description="Issue 3's acceptance rows from "
+                                 "`kvtier bench transfer --json` files (later files replace earlier ones' rows).")
+    ap.add_argument("--readme", action="store_true", help="print the README's table instead")
+    ap.add_argument("--plot", metavar="PNG", help="also draw every row here (a .png, .svg or .pdf file)")
+    ap.add_argument("json", nargs="+", help="rows written by kvtier bench transfer --json")
+    args = ap.parse_args(argv)
+    if missing := [p for p in args.json if not os.path.isfile(p)]:
+        ap.error(f"no such file: {', '.join(map(repr, missing))} (the JSON that kvtier bench transfer --json wrote)")
+    from kvtier.bench.transfer_plot import PLOT_SUFFIXES
+    if args.plot and not args.plot.lower().endswith(PLOT_SUFFIXES):
+        ap.error(f"--plot {args.plot!r}: name a {', '.join(PLOT_SUFFIXES)} file, e.g. --plot transfer.png")
+    return args
+
+
+def main(argv):
+    args = parse(argv)
     rows = {}
-    for p in paths:
+    for p in args.json:
         for r in json.load(open(p)):
             rows[(r["kind"], r["layout"], r["page_size"], r["direction"], r["host_slots"], r["backend"])] = r
-    if plot_path:
+    if args.plot:
         from kvtier.bench.transfer_plot import plot_transfer
-        n = plot_transfer(list(rows.values()), plot_path, "kvtier bench transfer: " + ", ".join(paths))
-        print(f"wrote {n} bars to {plot_path}", file=sys.stderr)
+        n = plot_transfer(list(rows.values()), args.plot, "kvtier bench transfer: " + ", ".join(args.json))
+        print(f"wrote {n} bars to {args.plot}", file=sys.stderr)
     cells = {}
     for (k, lay, ps, d, s, b), r in rows.items():
         if k != "all":
             cells.setdefault((k, lay, ps, d, s), {})[b] = r
-    if readme:
+    if args.readme:
         print(readme_table(cells))
         return
+    names = columns(cells)
     met = auto_ok = auto_rows = near = targeted = 0
-    lines = ["| kind, layout | page | slots | direction | kernel | dma | auto | target | best - target | met |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| kind, layout | page | slots | direction | " + " | ".join(names) + " | target | best - target | met |",
+             "|---|---:|---|---|" + "---:|" * len(names) + "---:|---:|---|"]
     for key, by in cells.items():
         t = target(next(iter(by.values())))
         best = max(by.values(), key=exact)
@@ -91,9 +107,9 @@ def main(paths):
         auto_ok += t is not None and a is not None and close
         margin = None if t is None else exact(best) - t
         near += margin is not None and abs(margin) <= NEAR
-        f = lambda b: f"{by[b]['gbps']:.1f} ({by[b]['ratio']:.2f}x)" if b in by else "-"  # noqa: E731
-        lines.append(f"| {key[0].upper()} {key[1]} | {key[2]} | {key[4]} | {key[3]} | {f('kernel')} | {f('dma')} | "
-                     f"{f('auto')} | {t}x | {'-' if margin is None else f'{margin:+.3f}'} | "
+        lines.append(f"| {key[0].upper()} {key[1]} | {key[2]} | {key[4]} | {key[3]} | "
+                     + " | ".join(cell(by, b) for b in names)
+                     + f" | {'-' if t is None else f'{t}x'} | {'-' if margin is None else f'{margin:+.3f}'} | "
                      f"{'yes' if ok else 'no' if t is not None else '-'}{'' if close else ' (auto >5% below)'} |")
     print("\n".join(lines))
     print(f"\nrows meeting their target: {met}/{targeted}; auto within 5% of the best: {auto_ok}/{auto_rows}; "

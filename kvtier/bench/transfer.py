@@ -17,6 +17,7 @@ import time
 import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import click
 import numpy as np
@@ -31,6 +32,8 @@ from ..memory import LIMIT_ENV, RESERVE_ENV, check_host_memory, huge_pages_note
 from ..spec import preset
 from ..transfer import TransferEngine
 from ..transfer.base import IO_BACKENDS
+from .targets import ratio_text
+from .transfer_plot import PLOT_SUFFIXES
 from ..transfer.online import DUPLEX, score
 
 SHAPES = {"mha": "llama-3-8b", "mla": "deepseek-v3", "dsa": "glm-dsa"}
@@ -102,14 +105,16 @@ def contiguous_limit(nbytes: int, clock: Clock, reps: int) -> dict[str, float]:
     flatter every ratio (H200 run 14: a median of three gave 53.5 GB/s host to
     device where a probe on the same machine gave 55.2).
     """
+    reps = max(reps, 5)
     if not clock.cuda:
+        # The best as on CUDA: one timing of a few MB (--quick, one rep) read anywhere from 0.4
+        # to 1.3 GB/s on a CI core where the copy runs at 25-85, and every ratio swung with it.
         a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
         a.fill_(7)
-        t = clock.median(lambda: b.copy_(a), reps, 1)
+        t = clock.best(lambda: b.copy_(a), reps, 2)
         return {"backup": nbytes / t / 1e9, "load": nbytes / t / 1e9, "duplex": nbytes / t / 1e9}
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    reps = max(reps, 5)
     d2h = clock.best(lambda: host.copy_(dev, non_blocking=True), reps, 2)
     h2d = clock.best(lambda: dev.copy_(host, non_blocking=True), reps, 2)
     # Both directions at once on two streams: what the link gives full-duplex.
@@ -133,9 +138,10 @@ def contiguous_limit(nbytes: int, clock: Clock, reps: int) -> dict[str, float]:
 
 def parse_backend(spec: str) -> tuple[str, int | None]:
     """``kernel@64`` -> ("kernel", 64): a backend with its own block quota."""
-    name, _, quota = spec.partition("@")
-    if quota and not quota.isdigit():
-        raise click.BadParameter(f"backend {spec!r}: the part after @ must be a block count", param_hint="--backend")
+    name, at, quota = spec.partition("@")
+    if at and not (quota.isdigit() and int(quota) > 0):
+        raise click.BadParameter(f"backend {spec!r}: the part after @ must be a block count of 1 or more "
+                                 f"(e.g. {name}@32), or leave out the @", param_hint="--backend")
     return name, int(quota) if quota else None
 
 
@@ -463,14 +469,14 @@ def table(rows: list[Row]) -> str:
     """Every row, a column per backend (a blank where a row has none); the contiguous limit's
     rows first, under the first column."""
     names = list(dict.fromkeys(r.backend for r in rows if r.kind != "all"))
-    head = f"{'kind':4} {'layout':11} {'page':>4} {'direction':9} {'slots':9} " + " ".join(f"{b:>14}" for b in names)
+    head = f"{'kind':4} {'layout':11} {'page':>4} {'direction':9} {'slots':9} " + " ".join(f"{b:>15}" for b in names)
     lines = [head]
     keyed: dict[tuple, dict[str, Row]] = {}
     for r in rows:
         keyed.setdefault((r.kind, r.layout, r.page_size, r.direction, r.host_slots), {})[r.backend] = r
-    cell = lambda r: f"{r.gbps:7.1f} {r.ratio:5.2f}x"  # noqa: E731
+    cell = lambda r: f"{r.gbps:7.1f} {ratio_text(r.gbps / r.limit_gbps):>6}x"  # noqa: E731
     for (k, lay, ps, d, s), by in keyed.items():
-        cols = [cell(r) for r in by.values()] if k == "all" else [cell(by[b]) if b in by else f"{'-':>14}"
+        cols = [cell(r) for r in by.values()] if k == "all" else [cell(by[b]) if b in by else f"{'-':>15}"
                                                                    for b in names]
         lines.append(f"{k:4} {lay:11} {ps:>4} {d:9} {s:9} " + " ".join(cols))
     return "\n".join(lines)
@@ -480,7 +486,7 @@ def table(rows: list[Row]) -> str:
 @click.option("--tokens", type=int, default=8192, show_default=True, help="tokens per transfer")
 @click.option("--reps", type=int, default=3, show_default=True, help="timed runs per row (median; at least 5 for backup and load at once)")
 @click.option("--rounds", type=int, default=1, show_default=True,
-              help="time each case's backends and directions this many times over, in turn (every other round in reverse); a row is the median")
+              help="time each case's backends and directions this many times over, in turn (every other round in reverse); a row is the median (of two rounds: their mean)")
 @click.option("--backend", "backends", multiple=True, default=("direct", "kernel", "dma", "auto"),
               show_default=True, help="backends to time (CUDA); only direct runs on the CPU")
 @click.option("--kind", "kinds", multiple=True, default=tuple(SHAPES), show_default=True)
@@ -512,6 +518,9 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
             raise click.BadParameter(f"--quick times 256 tokens once; leave out {' and '.join(given)}",
                                      param_hint="--quick")
         tokens, reps = 256, 1
+    if plot_path and Path(plot_path).suffix.lower() not in PLOT_SUFFIXES:
+        raise click.BadParameter(f"cannot draw {plot_path!r}: name a {', '.join(PLOT_SUFFIXES)} file",
+                                 param_hint="--plot")
     for b in backends:
         if parse_backend(b)[0] not in IO_BACKENDS:
             raise click.BadParameter(f"unknown backend {b!r}; use one of {list(IO_BACKENDS)} (kernel@N: N blocks)",

@@ -2,15 +2,20 @@
 
 Columns are the host slots (as the allocator hands them out, scattered); rows
 of panels are one-way transfers (backup, per-layer load) and both at once.
-Each bar is one backend's GB/s over the run's contiguous limit; dashed lines
-mark issue 3's targets (0.9x and 0.95x one way, 1.5x both at once), solid
-lines the limit itself and dotted the contiguous copies both ways at once.
+Each bar is one backend's GB/s over the run's contiguous limit; a red tick across
+each row marks its own target in issue 3 (0.95x or 0.9x one way, 1.5x both at once;
+none for page 16 or spread pools), solid lines the limit itself and dotted the
+contiguous copies both ways at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, is_dataclass
 
+from .targets import target
+
+# What the figure can be written as (matplotlib picks the format from the name).
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 COLORS = {"kernel": "#4c72b0", "dma": "#dd8452", "auto": "#55a868", "direct": "#8172b2"}
 ONE_WAY = ("backup", "load")
 
@@ -43,6 +48,7 @@ def plot_transfer(rows, path: str, title: str) -> int:
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
     bar = 0.8 / len(backends)
     drawn = 0
+    drawn_target = False  # labelled once, for the legend
     for col, slot in enumerate(slots):
         for row, (name, dirs) in enumerate(groups):
             ax = axes[row][col]
@@ -54,9 +60,13 @@ def plot_transfer(rows, path: str, title: str) -> int:
                 xs = [by[k + (backend,)] for k in keys if k + (backend,) in by]
                 ax.barh(ys, xs, height=bar, color=COLORS.get(backend), label=backend)
                 drawn += len(xs)
-            targets = (0.9, 0.95, 1.0) if name == "one way" else (1.0, 1.5)
-            for t in targets:
-                ax.axvline(t, color="black" if t == 1.0 else "red", lw=0.8, ls="-" if t == 1.0 else "--")
+            ax.axvline(1.0, color="black", lw=0.8)
+            for i, (k, lay, ps, d) in enumerate(keys):  # each row's own target, across its bars
+                t = target({"kind": k, "layout": lay, "page_size": ps, "direction": d, "host_slots": slot})
+                if t is not None:
+                    ax.plot([t, t], [i - 0.45, i + 0.45], color="red", lw=1.2,
+                            label=None if drawn_target else "target")
+                    drawn_target = True
             if name != "one way" and duplex:  # what the link gives both ways at once
                 ax.axvline(duplex[0], color="black", lw=0.8, ls=":")
             ax.set_yticks(range(len(keys)))
