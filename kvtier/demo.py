@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 import click
 
-from .commands import OUTPUT_PATH
+from .commands import FIGURE_PATH, OUTPUT_PATH, distinct_outputs
 
 ALL_MODES = ("none", "gpu", "tiers")
 
@@ -81,6 +81,30 @@ def _warm_up(model, o: dict) -> None:
     Engine(model, cfg).generate([[i % model.config.vocab_size for i in range(n)]], max_new_tokens=new)
 
 
+# Model flags that only one --model reads, and those a checkpoint's config.json replaces.
+_ONLY = {"llama": ("kv_heads",), "deepseek": ("kv_lora_rank", "rope_dim")}
+_SHAPE = ("model", "hidden", "layers", "heads", "kv_heads", "head_dim", "kv_lora_rank", "rope_dim", "intermediate",
+          "vocab")
+
+
+def _refuse_flags_that_do_not_apply(o: dict) -> None:
+    """A shape flag given where nothing reads it (``--kv-heads`` for deepseek, any shape flag
+    beside ``--checkpoint``) is refused by name rather than ignored."""
+    ctx = click.get_current_context()
+    given = [n for n in o if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
+
+    def flag(n):
+        return "--" + n.replace("_", "-")
+    if o["checkpoint"] and (shape := [flag(n) for n in _SHAPE if n in given]):
+        raise click.UsageError(f"{', '.join(shape)} {'does' if len(shape) == 1 else 'do'} not apply beside "
+                               f"--checkpoint (the model's shape comes from its config.json); leave "
+                               f"{'it' if len(shape) == 1 else 'them'} out")
+    for model, names in _ONLY.items():
+        if o["model"] != model and (wrong := [flag(n) for n in names if n in given]):
+            raise click.UsageError(f"{', '.join(wrong)} only {'applies' if len(wrong) == 1 else 'apply'} to "
+                                   f"--model {model}, not {o['model']}; leave {'it' if len(wrong) == 1 else 'them'} out")
+
+
 def _checked(o: dict, modes: tuple[str, ...]):
     """The model's config (the checkpoint's, where one is given), once every flag has been
     checked: shapes, workload, device, layout and io backend, and that the weights and pools
@@ -97,6 +121,12 @@ def _checked(o: dict, modes: tuple[str, ...]):
         mcfg = _model_config(o)
         if o["checkpoint"]:
             mcfg = checkpoint_config(o["checkpoint"], mcfg.dtype, tensors=True)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.UsageError(str(e)) from None
+    # Before the engine configs, which would refuse them too but name no flag.
+    check_engine_flags(o["device"], o["layout"] if "tiers" in modes else None, mcfg.kv_spec().kind,
+                       [o["io_backend"]] if set(modes) - {"none"} else [])
+    try:
         cfgs = [_engine_config(o, m) for m in modes]
         wl = Workload(clients=o["clients"], rounds=o["rounds"], system_tokens=o["system_tokens"],
                       user_tokens=o["user_tokens"], output_tokens=o["output_tokens"], vocab_size=mcfg.vocab_size)
@@ -111,8 +141,6 @@ def _checked(o: dict, modes: tuple[str, ...]):
             f"+ --output-tokens {o['output_tokens']} - 1) but --device-tokens {o['device_tokens']} holds {holds} "
             f"at --page-size {o['page_size']}; raise --device-tokens, or lower --rounds or the turn lengths")
     kv = mcfg.kv_spec()
-    check_engine_flags(o["device"], o["layout"] if "tiers" in modes else None, kv.kind,
-                       [c.io_backend for c in cfgs if c.prefix_cache != "none"])
     try:
         if o["device"] == "cpu":
             check_weights_fit(mcfg, copies=2 if o["checkpoint"] else 1)
@@ -136,6 +164,8 @@ def compare_outputs(outputs: dict) -> tuple[bool, str]:
             if outputs[mode].get(key) != toks:
                 return False, f"client {key[0]} round {key[1]}: {modes[0]} and {mode} differ"
     n = sum(len(v) for v in base.values())
+    if len(modes) == 1:
+        return True, f"{len(base)} requests, {n} generated tokens, one mode: nothing to compare"
     return True, f"{len(base)} requests, {n} generated tokens, identical in all {len(modes)} modes"
 
 
@@ -172,18 +202,22 @@ def compare_outputs(outputs: dict) -> tuple[bool, str]:
 @click.option("--modes", default=",".join(ALL_MODES), show_default=True, help="comma-separated subset of none,gpu,tiers")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--json", "json_path", type=OUTPUT_PATH, default=None, help="write results as JSON")
-@click.option("--plot", "plot_path", type=OUTPUT_PATH, default="kvtier-demo-ttft.png",
-              show_default=True, help="PNG of TTFT by round per mode ('' for none)")
+@click.option("--plot", "plot_path", type=FIGURE_PATH, default="kvtier-demo-ttft.png",
+              show_default=True, help="figure of TTFT by round per mode: .png, .svg or .pdf ('' for none)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def demo(**o) -> None:
     """Serve a multi-turn chat workload three ways and compare (CPU, 1-2 minutes)."""
     from .engine.engine import exact_mode
     from .engine.report import MODE_TITLES, plot, table
 
-    modes = tuple(m.strip() for m in o["modes"].split(",") if m.strip())
+    named = [m.strip() for m in o["modes"].split(",") if m.strip()]
+    modes = tuple(dict.fromkeys(named))  # a mode named twice runs once
     bad = [m for m in modes if m not in ALL_MODES]
     if bad or not modes:
-        raise click.BadParameter(f"unknown mode(s) {bad}; use a subset of {','.join(ALL_MODES)}", param_hint="--modes")
+        raise click.BadParameter(f"unknown mode(s) {bad}; use a subset of {','.join(ALL_MODES)}" if bad else
+                                 f"no mode given; use a subset of {','.join(ALL_MODES)}", param_hint="--modes")
+    distinct_outputs(json=o["json_path"], plot=o["plot_path"])
+    _refuse_flags_that_do_not_apply(o)
     mcfg = _checked(o, modes)  # every bad flag fails here, before any work
     source = f"checkpoint {o['checkpoint']}" if o["checkpoint"] else o["model"]
     click.echo(f"model: {source} ({mcfg.kv_spec().describe()}), {o['clients']} clients x {o['rounds']} rounds, "
@@ -198,10 +232,7 @@ def demo(**o) -> None:
     click.echo(table(summaries))
     click.echo("")
     click.echo(f"outputs identical: {'yes' if same else 'NO'} ({detail})")
-    if o["plot_path"]:
-        plot(summaries, o["plot_path"], f"kvtier demo: {o['model']}, {o['clients']} clients")
-        click.echo(f"plot: {o['plot_path']}")
-    if o["json_path"]:
+    if o["json_path"]:  # first: the results are kept whatever becomes of the figure
         doc = {"config": {k: v for k, v in o.items() if k not in ("json_path", "plot_path")},
                "model": {k: str(v) for k, v in asdict(mcfg).items()},
                "modes": summaries, "mode_titles": {m: MODE_TITLES[m] for m in modes},
@@ -210,5 +241,8 @@ def demo(**o) -> None:
         with open(o["json_path"], "w") as f:
             json.dump(doc, f, indent=2)
         click.echo(f"json: {o['json_path']}")
+    if o["plot_path"]:
+        plot(summaries, o["plot_path"], f"kvtier demo: {o['model']}, {o['clients']} clients")
+        click.echo(f"plot: {o['plot_path']}")
     if not same:
         sys.exit(1)

@@ -373,3 +373,60 @@ def test_a_host_pools_huge_page_share_counts_each_mapping_once(kind):
     if memory.thp_mode() == "always" or memory.thp_mode() == "madvise":
         assert share > 0, "a touched pool of several MiB, advised, got no huge pages"
     host.close()
+
+
+@pytest.mark.parametrize("args, match", [
+    (["info", "--reserve-gb", "nan"], "give a finite number of at least 0"),
+    (["info", "--reserve-gb", "inf"], "give a finite number of at least 0"),
+    (["info", "-m", "llama-3-8b", "--kind", "mla"], "--model llama-3-8b is a MHA model; --kind mla does not apply"),
+    (["info", "--json", "/proc/kvtier-info.json"], "cannot be written"),
+    (["info", "--roundtrip", "--roundtrip-tokens", str(10**11)], "Lower --roundtrip-tokens."),
+    (["bench", "alloc", "--size", "64", "--page-size", "128"], "--size 64 holds no page of --page-size 128"),
+    (["bench", "alloc", "--size", str(10**11)], "Lower --size."),
+    (["bench", "cache", "--budget-us", "nan"], "give a finite number above 0"),
+    (["bench", "cache", "--budget-us", "-1"], "give a finite number above 0"),
+    (["bench", "cache", "--sizes", str(10**11), "--prompts", "64"], "Lower --sizes."),
+    (["bench", "cache", "--prompts", "32"], "a prompt of 32 tokens is shorter than a page"),
+    (["bench", "cache", "--sizes", "10,x"], "'10,x' is not comma-separated integers"),
+])
+def test_every_commands_bad_input_is_named_before_any_work(args, match):
+    """From a review of the CLI (2026-12-05): tracebacks (nan, inf, a numpy allocation of 93 GiB,
+    a pool's internal argument), a silent empty table, a message that named no flag, and an
+    output path that root could not write found only at the end."""
+    import time
+    t = time.perf_counter()
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and match in res.output, res.output
+    # nothing printed first (info's table starts with "model", bench alloc's header with "pool")
+    assert res.exception.__class__ is SystemExit and not res.output.startswith(("model", "      pool"))
+    assert time.perf_counter() - t < 10
+
+
+@pytest.mark.parametrize("args", [["info"], ["bench", "transfer", "--quick"]])
+def test_a_bad_huge_pages_setting_is_refused_before_any_output(args, monkeypatch):
+    monkeypatch.setenv("KVTIER_HOST_HUGE_PAGES", "maybe")
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and "KVTIER_HOST_HUGE_PAGES='maybe'" in res.output
+    assert res.output.lstrip().startswith(("Error", "Usage")), res.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_bench_transfer_on_the_cpu_refuses_a_gpu_backend_asked_for():
+    """It timed direct under the name of nothing asked for: the table's one column was direct."""
+    res = CliRunner().invoke(main, ["bench", "transfer", "--quick", "--backend", "kernel"])
+    assert res.exit_code == 2 and "kernel needs CUDA" in res.output, res.output
+
+
+def test_the_python_api_names_a_wrong_first_argument_and_bad_numbers():
+    from kvtier.device_pool import pool_from_spec
+    from kvtier.host_pool import MHATokenToKVPoolHost, host_pool_for
+    spec = KVSpec("mha", 2, torch.float16, head_num=2, head_dim=8)
+    dev = pool_from_spec(spec, 64, 16, "cpu")
+    with pytest.raises(TypeError, match="must be a kvtier device pool .* got NoneType"):
+        host_pool_for(None)
+    with pytest.raises(TypeError, match="got a KVSpec: make the pool first"):
+        MHATokenToKVPoolHost(spec, 2.0, 0, 16, "layer_first")
+    with pytest.raises(ValueError, match="reserve_bytes must be a finite number of bytes >= 0, got nan"):
+        host_pool_for(dev, reserve_bytes=float("nan"))
+    with pytest.raises(ValueError, match="device='gpu': a kvtier device pool lives on 'cpu' or 'cuda'"):
+        pool_from_spec(spec, 64, 16, device="gpu")

@@ -81,6 +81,15 @@ def run(size: int, page_sizes: list[int], iters: int, repeats: int, echo=click.e
 @click.option("--json", "json_path", type=OUTPUT_PATH, default=None, help="Write rows as JSON.")
 def alloc(size: int, page_sizes, iters: int, repeats: int, json_path) -> None:
     """One alloc+free pair: kvtier's PageAllocator vs the seed's torch.cat free list."""
+    if short := [ps for ps in page_sizes if ps > size]:
+        raise click.BadParameter(f"--size {size} holds no page of --page-size {short[0]}; raise --size or lower "
+                                 "--page-size", param_hint="--size")
+    from ..memory import HostMemoryError, check_host_memory
+    try:  # the seed's free list (and its copy on every free) and ours, for the largest case
+        check_host_memory(3 * 8 * size + 16 * size // min(page_sizes), None, f"--size {size:,} (two allocators)",
+                          "Lower --size.")
+    except HostMemoryError as e:
+        raise click.UsageError(str(e)) from None
     click.echo(f"{'pool':>10} {'page':>5} {'pages':>6} {'kvtier us':>12} {'seed us':>12} {'ratio':>10}")
     rows = run(size, list(page_sizes), iters, repeats)
     if json_path:

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ..cache import CacheConfig, HiCache
-from ..commands import OUTPUT_PATH
+from ..commands import FINITE_POSITIVE, OUTPUT_PATH
 from ..device_pool import MHATokenToKVPool
 from .cache_reference import ReferenceRadixTree
 
@@ -178,27 +178,41 @@ def verdict(rows: list[Row], page_size: int, budget_us: float) -> None:
                        f"max/min {max(per) / min(per):.2f}")
 
 
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not comma-separated integers, e.g. 10000,100000", param_hint=flag) from None
+    return values
+
+
 @click.command("cache")
 @click.option("--sizes", default="10000,100000,1000000", show_default=True,
               help="Cached-token counts to grow through (each size's insert timings add ~1.5x the prompts; "
                    "a size closer than that to the one before is passed, and said so).")
 @click.option("--prompts", default="4096,8192,32768", show_default=True, help="Prompt lengths matched at each size.")
-@click.option("--page-size", default=64, show_default=True, type=int)
-@click.option("--repeats", default=50, show_default=True, type=int, help="Timed matches per row (median).")
+@click.option("--page-size", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--repeats", default=50, show_default=True, type=click.IntRange(min=1), help="Timed matches per row (median).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
-@click.option("--budget-us", default=200.0, show_default=True, help="Acceptance: 32k-token match time at the largest size.")
+@click.option("--budget-us", default=200.0, show_default=True, type=FINITE_POSITIVE,
+              help="Acceptance: 32k-token match time at the largest size.")
 @click.option("--json", "json_path", type=OUTPUT_PATH, help="Write the rows here.")
 def cache(sizes, prompts, page_size, repeats, seed, budget_us, json_path):
     """Prefix-cache match and insert time as the tree grows, vs a token-by-token radix tree."""
-    try:
-        sizes_l = sorted(int(s) for s in sizes.split(","))
-        prompts_l = [int(p) for p in prompts.split(",")]
-    except ValueError:
-        raise click.BadParameter("sizes and prompts are comma-separated integers, e.g. 10000,100000") from None
-    if page_size <= 0 or repeats <= 0 or min(sizes_l) <= 0 or min(prompts_l) < page_size:
-        raise click.BadParameter("page size, repeats and sizes must be positive; prompts at least one page")
+    sizes_l = sorted(_int_list(sizes, "--sizes"))
+    prompts_l = _int_list(prompts, "--prompts")
+    if min(sizes_l) <= 0:
+        raise click.BadParameter(f"sizes must be positive, got {min(sizes_l)}", param_hint="--sizes")
+    if min(prompts_l) < page_size:
+        raise click.BadParameter(f"a prompt of {min(prompts_l)} tokens is shorter than a page (--page-size "
+                                 f"{page_size}); give prompts of at least one page", param_hint="--prompts")
     capacity = (max(sizes_l) + (3 * len(sizes_l) + 2) * max(prompts_l + [SEQ_LEN])) // page_size * page_size + page_size
-    w = Workload(capacity, page_size, seed)
+    try:
+        w = Workload(capacity, page_size, seed)
+    except MemoryError as e:  # refused by the pool's check before anything is allocated
+        need = str(e).split(". Lower")[0]  # the pool's own fix names its constructor's argument
+        raise click.UsageError(f"--sizes up to {max(sizes_l):,} and --prompts up to {max(prompts_l):,} need a pool "
+                               f"of {capacity:,} token slots: {need}. Lower --sizes.") from None
     rows: list[Row] = []
     with tqdm(total=max(sizes_l), desc="growing the trees", unit="tok", leave=False) as bar:
         for size in sizes_l:

@@ -17,23 +17,21 @@ import time
 import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import click
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..commands import OUTPUT_PATH
+from ..commands import FIGURE_PATH, OUTPUT_PATH, distinct_outputs
 from ..device_pool import pool_from_spec
 from ..host_pool import host_pool_for
 from ..layouts import SUPPORTED
-from ..memory import LIMIT_ENV, RESERVE_ENV, check_host_memory, huge_pages_note
+from ..memory import LIMIT_ENV, RESERVE_ENV, check_host_memory, huge_pages_default, huge_pages_note
 from ..spec import preset
 from ..transfer import TransferEngine
 from ..transfer.base import IO_BACKENDS
 from .targets import ratio_text
-from .transfer_plot import PLOT_SUFFIXES
 from ..transfer.online import DUPLEX, score
 
 SHAPES = {"mha": "llama-3-8b", "mla": "deepseek-v3", "dsa": "glm-dsa"}
@@ -502,7 +500,7 @@ def table(rows: list[Row]) -> str:
 @click.option("--quick", is_flag=True, help="tiny shapes (4 layers, 256 tokens): a smoke test for CI")
 @click.option("--verbose", is_flag=True, help="print every row as it is measured")
 @click.option("--json", "json_path", type=OUTPUT_PATH, help="write the rows as JSON here")
-@click.option("--plot", "plot_path", type=OUTPUT_PATH,
+@click.option("--plot", "plot_path", type=FIGURE_PATH,
               help="draw every row's ratio against the targets here (PNG)")
 def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, spread, quick, verbose, json_path,
              plot_path):
@@ -518,13 +516,16 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
             raise click.BadParameter(f"--quick times 256 tokens once; leave out {' and '.join(given)}",
                                      param_hint="--quick")
         tokens, reps = 256, 1
-    if plot_path and Path(plot_path).suffix.lower() not in PLOT_SUFFIXES:
-        raise click.BadParameter(f"cannot draw {plot_path!r}: name a {', '.join(PLOT_SUFFIXES)} file",
-                                 param_hint="--plot")
+    distinct_outputs(json=json_path, plot=plot_path)
     for b in backends:
         if parse_backend(b)[0] not in IO_BACKENDS:
             raise click.BadParameter(f"unknown backend {b!r}; use one of {list(IO_BACKENDS)} (kernel@N: N blocks)",
                                      param_hint="--backend")
+    given = click.get_current_context().get_parameter_source("backends") is not click.core.ParameterSource.DEFAULT
+    if given and not torch.cuda.is_available() and (gpu_only := [b for b in backends if b != "direct"]):
+        raise click.BadParameter(f"{', '.join(gpu_only)} need{'s' if len(gpu_only) == 1 else ''} CUDA, which this "
+                                 "torch does not have; without it only --backend direct runs (the default here)",
+                                 param_hint="--backend")
     for k in kinds:
         if k not in SHAPES:
             raise click.BadParameter(f"unknown kind {k!r}; use one of {list(SHAPES)}", param_hint="--kind")
@@ -550,6 +551,7 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
         raise click.BadParameter(f"need --spread-pool >= 2 (the pool holds both transfers of a pair), got {spread}",
                                  param_hint="--spread-pool")
     layers = 4 if quick else None
+    huge_pages_default()  # a bad KVTIER_HOST_HUGE_PAGES is refused now, not at the first case's pool
     # Before any pool is made: the largest case must fit (cases run one at a time).
     need, big = host_bytes_needed(kinds, tokens, slots, spread, layers, torch.cuda.is_available())
     try:

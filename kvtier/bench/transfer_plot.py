@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, is_dataclass
 
+from ..commands import FIGURE_SUFFIXES as PLOT_SUFFIXES  # noqa: F401 (bench/acceptance.py's check)
 from .targets import target
-
-# What the figure can be written as (matplotlib picks the format from the name).
-PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 COLORS = {"kernel": "#4c72b0", "dma": "#dd8452", "auto": "#55a868", "direct": "#8172b2"}
 ONE_WAY = ("backup", "load")
 

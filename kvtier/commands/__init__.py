@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import click
@@ -25,10 +26,75 @@ class OutputPath(click.ParamType):
                       param, ctx)
         if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
             self.fail(f"{path!r} cannot be written here; name a file in a writable directory", param, ctx)
+        # Open it as the command will (access() says yes to root for /proc and read-only mounts):
+        # appending changes nothing in a file that exists, and one made here goes again.
+        existed = os.path.exists(path)
+        try:
+            with open(path, "a"):
+                pass
+        except OSError as e:
+            self.fail(f"{path!r} cannot be written ({e.strerror}); name a file in a writable directory", param, ctx)
+        if not existed:
+            os.remove(path)
         return path
 
 
 OUTPUT_PATH = OutputPath()
+
+
+class FiniteFloat(click.ParamType):
+    """A finite float of at least ``low`` (more than it where ``strict``): click's FloatRange
+    lets nan and inf through."""
+
+    name = "float"
+
+    def __init__(self, low: float = 0.0, strict: bool = False):
+        self.low, self.strict = low, strict
+
+    def convert(self, value, param, ctx):
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(x) or x < self.low or (self.strict and x == self.low):
+            self.fail(f"{value!r}: give a finite number {'above' if self.strict else 'of at least'} {self.low:g}",
+                      param, ctx)
+        return x
+
+
+FINITE_NONNEGATIVE = FiniteFloat(0.0)
+FINITE_POSITIVE = FiniteFloat(0.0, strict=True)
+
+# What a figure can be written as: matplotlib takes the format from the name (a name without
+# one became NAME.png, and an unknown one failed after the whole run).
+FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+class FigurePath(OutputPath):
+    """An :class:`OutputPath` for a figure: its name must end in one of ``FIGURE_SUFFIXES``."""
+
+    name = "figure"
+
+    def convert(self, value, param, ctx):
+        path = super().convert(value, param, ctx)
+        if path and not path.lower().endswith(FIGURE_SUFFIXES):
+            self.fail(f"cannot draw {path!r}: name a {', '.join(FIGURE_SUFFIXES)} file, e.g. figure.png", param, ctx)
+        return path
+
+
+FIGURE_PATH = FigurePath()
+
+
+def distinct_outputs(**paths) -> None:
+    """Refuse two output flags naming the same file (one would overwrite the other)."""
+    seen: dict[str, str] = {}
+    for flag, path in paths.items():
+        if path:
+            real = os.path.realpath(path)
+            if real in seen:
+                raise click.BadParameter(f"--{seen[real]} and --{flag} both name {path!r}; give each its own file",
+                                         param_hint=f"--{flag}")
+            seen[real] = flag
 
 
 def check_device_flag(device: str):

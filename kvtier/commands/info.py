@@ -9,9 +9,9 @@ import click
 import torch
 
 from ..layouts import LAYOUTS, SUPPORTED
-from ..memory import GB, LIMIT_ENV, host_memory, huge_pages_default, huge_pages_note, thp_mode
+from ..memory import GB, LIMIT_ENV, check_host_memory, host_memory, huge_pages_default, huge_pages_note, thp_mode
 from ..spec import KVSpec
-from . import OUTPUT_PATH
+from . import FINITE_NONNEGATIVE, OUTPUT_PATH
 from .shape import shape_options
 
 
@@ -80,7 +80,7 @@ def roundtrip(spec: KVSpec, page_size: int, tokens: int, reserve: int | None) ->
 @click.command()
 @shape_options
 @click.option("--page-size", type=click.IntRange(min=1), default=64, show_default=True, help="Tokens per page.")
-@click.option("--reserve-gb", type=click.FloatRange(min=0), default=None,
+@click.option("--reserve-gb", type=FINITE_NONNEGATIVE, default=None,
               help="Host memory to leave free (default 10 GiB, or KVTIER_HOST_RESERVE_GB).")
 @click.option("--roundtrip/--no-roundtrip", default=False, show_default=True,
               help="Also run a CPU round trip device -> host -> device and check every byte.")
@@ -89,7 +89,15 @@ def roundtrip(spec: KVSpec, page_size: int, tokens: int, reserve: int | None) ->
 def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_tokens: int, json_path) -> None:
     """Bytes per token per tier and layout, and how many tokens the host tier holds here."""
     reserve = None if reserve_gb is None else int(reserve_gb * GB)
+    huge_pages_default()  # a bad KVTIER_HOST_HUGE_PAGES is refused before the table, not after it
     mem = host_memory(reserve)
+    if roundtrip:  # its CPU device pool and host pool of twice the tokens, and a copy of them
+        rt_tokens = max(page_size, roundtrip_tokens // page_size * page_size)
+        try:
+            check_host_memory(5 * rt_tokens * spec.bytes_per_token, reserve,
+                              f"--roundtrip-tokens {roundtrip_tokens:,}", "Lower --roundtrip-tokens.")
+        except MemoryError as e:
+            raise click.UsageError(str(e)) from None
     fits = mem.available // spec.bytes_per_token
     click.echo(f"model      {spec.name}: {spec.describe()}")
     for c in spec.components:

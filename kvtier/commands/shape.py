@@ -30,6 +30,9 @@ def shape_options(func):
     @functools.wraps(func)
     def wrapper(*args, model, kind, layers, heads, head_dim, kv_lora_rank, rope_dim, index_head_dim, dtype, **kwargs):
         base = preset(model) if model else None
+        if base is not None and kind is not None and kind != base.kind:
+            raise click.UsageError(f"--model {model} is a {base.kind.upper()} model; --kind {kind} does not apply "
+                                   "(leave --kind out, or leave out --model to describe a model of your own)")
         if base is None and kind is None:
             base = preset("llama-3-8b")
         fields = {
