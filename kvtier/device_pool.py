@@ -15,7 +15,7 @@ import torch
 
 from .memory import check_host_memory
 from .spec import DSA, MHA, MLA, KVSpec
-from .validate import require_positive_int
+from .validate import device_type, require_positive_int
 
 _LAYER_ATTR = {"k": "k_buffer", "v": "v_buffer", "kv": "kv_buffer", "index_k": "index_k_buffer"}
 
@@ -34,6 +34,8 @@ class KVPool:
         require_positive_int("page_size", page_size)
         if size < page_size:
             raise ValueError(f"size={size} holds no whole page of page_size={page_size}")
+        if device_type(device) not in ("cpu", "cuda"):
+            raise ValueError(f"device={device!r}: a kvtier device pool lives on 'cpu' or 'cuda' (or 'cuda:N')")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but CUDA is not available; use device='cpu'")

@@ -44,6 +44,9 @@ def spec_of(device_pool, kind: str) -> KVSpec:
         raise TypeError(f"device_pool must be a device KV pool (a kvtier pool, or an engine's with layer_num, "
                         f"{'head_num' if kind == MHA else 'kv_lora_rank'} ... and its per-layer buffers), "
                         f"got {type(device_pool).__name__}")
+    if isinstance(device_pool, KVSpec):
+        raise TypeError("device_pool must be a device KV pool, got a KVSpec: make the pool first, "
+                        "e.g. kvtier.device_pool.pool_from_spec(spec, size, page_size, device)")
     if isinstance(spec, KVSpec):
         if spec.kind != kind:
             raise TypeError(
@@ -560,7 +563,12 @@ HOST_POOL_CLASSES = {MHA: MHATokenToKVPoolHost, MLA: MLATokenToKVPoolHost, DSA: 
 def host_pool_for(device_pool, layout: str = "layer_first", *, host_size_tokens: int = 0,
                   host_size: float = 0, host_to_device_ratio: float = 2.0, **kwargs) -> HostKVCache:
     """The host pool class matching ``device_pool``'s kind, built with keyword arguments."""
-    cls = HOST_POOL_CLASSES[device_pool.spec.kind]
+    spec = getattr(device_pool, "spec", None)
+    if not isinstance(spec, KVSpec):
+        raise TypeError(f"device_pool must be a kvtier device pool (kvtier.device_pool.pool_from_spec), got "
+                        f"{type(device_pool).__name__}; for an engine's own pool, call the host pool class of its "
+                        "kind (MHATokenToKVPoolHost, MLATokenToKVPoolHost, DSATokenToKVPoolHost)")
+    cls = HOST_POOL_CLASSES[spec.kind]
     return cls(device_pool, host_to_device_ratio, host_size, device_pool.page_size, layout,
                host_size_tokens=host_size_tokens, **kwargs)
 

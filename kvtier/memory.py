@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import mmap
 import os
 import weakref
@@ -179,9 +180,10 @@ def cgroup_limit_and_usage(root: Path | None = None, proc: Path | None = None) -
 
 
 def host_memory(reserve_bytes: int | None = None) -> HostMemory:
+    if reserve_bytes is not None and (isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, numbers.Real)
+                                      or not math.isfinite(reserve_bytes) or reserve_bytes < 0):
+        raise ValueError(f"reserve_bytes must be a finite number of bytes >= 0, got {reserve_bytes!r}")
     reserve = default_reserve_bytes() if reserve_bytes is None else int(reserve_bytes)
-    if reserve < 0:
-        raise ValueError(f"reserve_bytes must be >= 0, got {reserve_bytes!r}")
     vm = psutil.virtual_memory()
     own = host_limit_bytes()
     # With a limit set, what this process holds now (pinned pools are resident) counts

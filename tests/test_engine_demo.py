@@ -60,6 +60,13 @@ def test_demo_rejects_bad_flags_before_running(tmp_path):
     (["--rounds", "40"], "the workload's longest request needs"),
     (["--device-tokens", "1", "--page-size", "1"], "raise --device-tokens"),
     (["--dtype", "fp8"], "FP8 is a KV cache format"),
+    # A review of every command's bad input (2026-12-05):
+    (["--model", "deepseek", "--kv-heads", "4"], "--kv-heads only applies to --model llama, not deepseek"),
+    (["--model", "llama", "--kv-lora-rank", "8", "--rope-dim", "8"], "only apply to --model deepseek"),
+    (["--modes", ","], "no mode given"),
+    (["--plot", "/tmp/kvtier-demo.svgx"], "name a .png, .svg, .pdf file"),
+    (["--plot", "/tmp/kvtier-demo"], "name a .png, .svg, .pdf file"),
+    (["--json", "/tmp/kvtier-demo-both.png", "--plot", "/tmp/kvtier-demo-both.png"], "both name"),
 ])
 def test_every_bad_demo_flag_fails_before_any_work(args, match):
     """A review found these ran the first mode in full (or built the model) before a traceback."""
@@ -246,6 +253,10 @@ def test_the_demo_warm_up_fits_the_smallest_device_pool():
     (dict(use_advisor="no"), "use_advisor must be True or False"),
     (dict(exact=1), "exact must be True or False"),
     (dict(device="gpu"), "device must be 'cpu' or 'cuda'"),
+    (dict(layout="page-first"), "unknown layout 'page-first'"),
+    (dict(write_policy="write-back"), "unknown write_policy"),
+    (dict(eviction="lfu_typo"), "unknown eviction"),
+    (dict(io_backend="dmaa"), "unknown io_backend 'dmaa'"),
 ])
 def test_engine_config_names_a_bad_switch_or_device(kw, match):
     from kvtier.engine import EngineConfig
@@ -268,3 +279,64 @@ def test_a_prompt_that_is_no_sequence_is_named(prompt):
     assert e.add_request(np.array([1, 2, 3]), 1).token_ids == [1, 2, 3]
     with pytest.raises(ValueError, match="a prompt is a sequence of token ids"):
         e.add_request(np.array([[1, 2, 3]]), 1)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only message")
+def test_engine_config_refuses_cuda_without_it():
+    from kvtier.engine import EngineConfig
+    with pytest.raises(ValueError, match="this torch has no CUDA device; use device='cpu'"):
+        EngineConfig(device="cuda")
+
+
+@pytest.mark.parametrize("field, value", [("rope_theta", float("nan")), ("rope_theta", 0), ("rms_eps", -1.0),
+                                          ("rms_eps", float("inf"))])
+def test_a_model_number_that_makes_every_output_zero_is_refused(field, value):
+    """nan, 0 or a negative RoPE theta or RMS epsilon built a model whose every token was 0."""
+    from kvtier.engine import tiny
+    with pytest.raises(ValueError, match=f"{field} must be a finite number above 0"):
+        tiny("llama", **{field: value})
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(layout="page_head"), ValueError, "'page_head' is not supported for MLA"),
+    (dict(io_backend="kernel"), ValueError, "needs a CUDA device pool"),
+    (dict(host_tokens=10**12), MemoryError, "Lower host_tokens"),
+    (dict(device_tokens=10**11), MemoryError, "Lower device_tokens"),
+])
+def test_engine_build_checks_its_config_against_the_model_before_the_weights(kw, error, match, monkeypatch):
+    """A review: these failed only after the weights were made (1 GB and a second for a small
+    model, a whole load for a checkpoint)."""
+    from kvtier.engine import Engine, EngineConfig, engine as engine_mod, tiny
+
+    def no_weights(*a, **k):
+        raise AssertionError("the weights were made before the config was checked")
+    monkeypatch.setattr(engine_mod, "make_model", no_weights)
+    with pytest.raises(error, match=match):
+        Engine.build(tiny("deepseek"), EngineConfig(**kw))
+    monkeypatch.setenv("KVTIER_HOST_HUGE_PAGES", "maybe")
+    with pytest.raises(ValueError, match="KVTIER_HOST_HUGE_PAGES"):
+        Engine.build(tiny("llama"), EngineConfig())
+    with pytest.raises(TypeError, match="config must be an EngineConfig, got dict"):
+        Engine.build(tiny("llama"), {"device_tokens": 256})
+
+
+def test_the_demo_writes_its_json_before_its_figure_and_runs_a_mode_named_twice_once(tmp_path, monkeypatch):
+    """The figure was written first: a figure that failed lost the run's JSON (a review)."""
+    from kvtier.engine import report
+
+    def broken(*a, **k):
+        raise RuntimeError("the figure failed")
+    monkeypatch.setattr(report, "plot", broken)
+    out = tmp_path / "demo.json"
+    res = CliRunner().invoke(main, ["demo", *TINY, "--modes", "none,none", "--json", str(out),
+                                    "--plot", str(tmp_path / "demo.png")])
+    assert isinstance(res.exception, RuntimeError) and out.exists()
+    doc = json.loads(out.read_text())
+    assert list(doc["modes"]) == ["none"] and "one mode: nothing to compare" in doc["outputs_detail"]
+
+
+def test_a_checkpoint_config_that_is_not_json_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{bad")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    res = CliRunner().invoke(main, ["demo", "--checkpoint", str(tmp_path), "--no-progress"])
+    assert res.exit_code == 2 and f"{tmp_path / 'config.json'} is not valid JSON" in res.output, res.output

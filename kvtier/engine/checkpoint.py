@@ -119,7 +119,13 @@ def _hf_config(path: Path) -> dict:
                                 "config.json and *.safetensors (nothing is downloaded)")
     if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    return json.loads(cfg_file.read_text())
+    try:
+        doc = json.loads(cfg_file.read_text())
+    except ValueError as err:
+        raise ValueError(f"{cfg_file} is not valid JSON: {err}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{cfg_file} holds a JSON {type(doc).__name__}, not the object of a model's config")
+    return doc
 
 
 def checkpoint_files(path: Path) -> list[Path]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -70,6 +71,10 @@ class ModelConfig:
                 raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
             if self.q_lora_rank < 0:
                 raise ValueError(f"q_lora_rank must be >= 0, got {self.q_lora_rank}")
+        for f in ("rope_theta", "rms_eps"):  # nan, 0 or a negative one made every output token 0
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{f} must be a finite number above 0, got {v!r}")
 
     def kv_spec(self) -> KVSpec:
         """The KV shape this model writes into a kvtier pool."""
@@ -177,3 +182,15 @@ class EngineConfig:
                 raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
         if device_type(self.device) not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {self.device!r}")
+        if device_type(self.device) == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r}, but this torch has no CUDA device; use device='cpu'")
+        from ..cache.config import EVICTION_POLICIES, WRITE_POLICIES
+        from ..layouts import SUPPORTED
+        from ..transfer.base import IO_BACKENDS, Backend
+        layouts = sorted({lay for kinds in SUPPORTED.values() for lay in kinds})
+        for f, allowed in (("layout", layouts), ("write_policy", WRITE_POLICIES), ("eviction", EVICTION_POLICIES)):
+            if getattr(self, f) not in allowed:
+                raise ValueError(f"unknown {f} {getattr(self, f)!r}; use one of {tuple(allowed)}")
+        if not (self.io_backend is None or self.io_backend in IO_BACKENDS or isinstance(self.io_backend, Backend)):
+            raise ValueError(f"unknown io_backend {self.io_backend!r}; use one of {IO_BACKENDS}, a configured "
+                             "backend, or None (the transfer engine's choice)")

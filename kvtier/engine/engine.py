@@ -84,6 +84,32 @@ def check_weights_fit(model_cfg: ModelConfig, copies: int = 1) -> None:
 KV_MANAGERS = {"none": _no_prefix_cache, "gpu": _prefix_cache, "tiers": _prefix_cache}
 
 
+def check_engine(model_cfg: ModelConfig, config: EngineConfig) -> None:
+    """What an engine of ``config`` for a model of ``model_cfg`` would refuse, found before
+    anything is built (a review: a misspelt layout or a bad ``KVTIER_HOST_HUGE_PAGES`` surfaced
+    only after the weights, 1 GB and a second for a small model, a whole load for a checkpoint):
+    the host layout for the model's KV kind, the io backend for the device, the host-memory
+    settings, and that the pools fit in host memory."""
+    from ..layouts import get_layout
+    from ..memory import resolve_huge_pages
+    from ..transfer.base import get_backend
+
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an EngineConfig, got {type(config).__name__} "
+                        "(e.g. EngineConfig(device_tokens=4096))")
+    spec = model_cfg.kv_spec()
+    dev = torch.device(config.device)
+    if dev.type == "cpu":
+        check_host_memory(config.device_tokens * spec.bytes_per_token, 0, "the device pool (on the CPU)",
+                          "Lower device_tokens.")
+    if config.prefix_cache == "tiers":
+        get_layout(config.layout, spec.kind)
+        resolve_huge_pages(None)
+        check_host_memory(config.host_tokens * spec.bytes_per_token, None, "the host pool", "Lower host_tokens.")
+    if config.prefix_cache != "none" and isinstance(config.io_backend, str):
+        get_backend(config.io_backend, dev)
+
+
 class Engine:
     """Serves greedy generation requests with continuous batching.
 
@@ -93,6 +119,7 @@ class Engine:
     """
 
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig()):
+        check_engine(model.config, config)
         self.config = config
         self.model = model
         spec = model.config.kv_spec()
@@ -107,7 +134,9 @@ class Engine:
     @classmethod
     def build(cls, model_cfg: ModelConfig, config: EngineConfig = EngineConfig(), seed: int = 0,
               checkpoint: str | None = None) -> "Engine":
-        """An engine around a model of ``model_cfg`` with random weights from ``seed``, or a local checkpoint."""
+        """An engine around a model of ``model_cfg`` with random weights from ``seed``, or a local
+        checkpoint; ``config`` is checked against the model's shape before the weights are made."""
+        check_engine(checkpoint_config(checkpoint, model_cfg.dtype) if checkpoint else model_cfg, config)
         return cls(make_model(model_cfg, config, seed, checkpoint), config)
 
     def add_request(self, prompt: list[int], max_new_tokens: int, namespace: str = "default") -> Sequence:
