@@ -68,7 +68,8 @@ def parse(argv) -> argparse.Namespace:
         ap.error(f"no such file: {', '.join(map(repr, missing))} (the JSON that kvtier bench transfer --json wrote)")
     from kvtier.bench.transfer_plot import PLOT_SUFFIXES
     if args.plot and not args.plot.lower().endswith(PLOT_SUFFIXES):
-        ap.error(f"--plot {args.plot!r}: name a {', '.join(PLOT_SUFFIXES)} file, e.g. --plot transfer.png")
+        ap.error(f"--plot {args.plot!r}: cannot draw that; name e.g. transfer.png, .svg or .pdf (any of "
+                 f"{' '.join(PLOT_SUFFIXES)})")
     return args
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 import mmap
 import os
 import weakref
@@ -179,9 +178,19 @@ def cgroup_limit_and_usage(root: Path | None = None, proc: Path | None = None) -
     return best
 
 
+def _finite_at_least_zero(x) -> bool:
+    """A number (a Python, numpy or one-element torch one) that is finite and >= 0."""
+    if isinstance(x, (bool, str, bytes)):
+        return False
+    try:
+        v = float(x)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return math.isfinite(v) and v >= 0
+
+
 def host_memory(reserve_bytes: int | None = None) -> HostMemory:
-    if reserve_bytes is not None and (isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, numbers.Real)
-                                      or not math.isfinite(reserve_bytes) or reserve_bytes < 0):
+    if reserve_bytes is not None and not _finite_at_least_zero(reserve_bytes):
         raise ValueError(f"reserve_bytes must be a finite number of bytes >= 0, got {reserve_bytes!r}")
     reserve = default_reserve_bytes() if reserve_bytes is None else int(reserve_bytes)
     vm = psutil.virtual_memory()

@@ -430,3 +430,43 @@ def test_the_python_api_names_a_wrong_first_argument_and_bad_numbers():
         host_pool_for(dev, reserve_bytes=float("nan"))
     with pytest.raises(ValueError, match="device='gpu': a kvtier device pool lives on 'cpu' or 'cuda'"):
         pool_from_spec(spec, 64, 16, device="gpu")
+
+
+def test_the_up_front_output_check_leaves_links_fifos_and_files_alone(tmp_path):
+    """The check makes and removes a file only where nothing is: it followed a dangling link
+    (leaving an empty target and a plain file where the link was), and opened a FIFO, handing
+    its reader an end of file so that the real write later blocked (a review)."""
+    import threading
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "target.json")
+    res = CliRunner().invoke(main, ["info", "--json", str(link)])
+    assert res.exit_code == 0 and link.is_symlink() and json.loads((tmp_path / "target.json").read_text())
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()), daemon=True)
+    reader.start()
+    res = CliRunner().invoke(main, ["info", "--json", str(fifo)])
+    reader.join(20)
+    assert res.exit_code == 0 and got and "bytes_per_token" in json.loads(got[0])
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    assert CliRunner().invoke(main, ["info", "--json", str(kept), "--reserve-gb", "nan"]).exit_code == 2
+    assert kept.read_text() == "old" and not (tmp_path / "new.json").exists()
+
+
+def test_bench_alloc_needs_no_pool_reserve(monkeypatch):
+    """It checked its plain tensors against the host pools' 10 GiB reserve: on an 8 GB machine
+    every --size was refused (a review)."""
+    monkeypatch.setenv("KVTIER_HOST_LIMIT_GB", "8")
+    res = CliRunner().invoke(main, ["bench", "alloc", "--size", "4096", "--iters", "10", "--repeats", "1"])
+    assert res.exit_code == 0 and "4,096" in res.output, res.output
+
+
+def test_a_reserve_may_be_any_finite_number_type():
+    import numpy as np
+    assert memory.host_memory(torch.tensor(1 << 30)).reserve == 1 << 30
+    assert memory.host_memory(np.float32(5)).reserve == 5
+    for bad in ("1", float("inf"), -1, True):
+        with pytest.raises(ValueError, match="reserve_bytes must be a finite number"):
+            memory.host_memory(bad)

@@ -86,7 +86,7 @@ def alloc(size: int, page_sizes, iters: int, repeats: int, json_path) -> None:
                                  "--page-size", param_hint="--size")
     from ..memory import HostMemoryError, check_host_memory
     try:  # the seed's free list (and its copy on every free) and ours, for the largest case
-        check_host_memory(3 * 8 * size + 16 * size // min(page_sizes), None, f"--size {size:,} (two allocators)",
+        check_host_memory(3 * 8 * size + 16 * size // min(page_sizes), 0, f"--size {size:,} (two allocators)",
                           "Lower --size.")
     except HostMemoryError as e:
         raise click.UsageError(str(e)) from None

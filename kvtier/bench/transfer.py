@@ -522,7 +522,7 @@ def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, 
             raise click.BadParameter(f"unknown backend {b!r}; use one of {list(IO_BACKENDS)} (kernel@N: N blocks)",
                                      param_hint="--backend")
     given = click.get_current_context().get_parameter_source("backends") is not click.core.ParameterSource.DEFAULT
-    if given and not torch.cuda.is_available() and (gpu_only := [b for b in backends if b != "direct"]):
+    if given and not torch.cuda.is_available() and (gpu_only := [b for b in backends if parse_backend(b)[0] != "direct"]):
         raise click.BadParameter(f"{', '.join(gpu_only)} need{'s' if len(gpu_only) == 1 else ''} CUDA, which this "
                                  "torch does not have; without it only --backend direct runs (the default here)",
                                  param_hint="--backend")

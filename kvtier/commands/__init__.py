@@ -26,15 +26,17 @@ class OutputPath(click.ParamType):
                       param, ctx)
         if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
             self.fail(f"{path!r} cannot be written here; name a file in a writable directory", param, ctx)
-        # Open it as the command will (access() says yes to root for /proc and read-only mounts):
-        # appending changes nothing in a file that exists, and one made here goes again.
-        existed = os.path.exists(path)
-        try:
-            with open(path, "a"):
-                pass
-        except OSError as e:
-            self.fail(f"{path!r} cannot be written ({e.strerror}); name a file in a writable directory", param, ctx)
-        if not existed:
+        # Where nothing is there yet, make the file as the command will and take it away again
+        # (access() says yes to root for /proc and read-only mounts). Anything already there (a
+        # file, a link, a FIFO, /dev/null) is left alone: opening a FIFO would hand its reader
+        # an end of file, and following a dangling link would leave its target behind.
+        if not os.path.lexists(path):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            except OSError as e:
+                self.fail(f"{path!r} cannot be written ({e.strerror}); name a file in a writable directory",
+                          param, ctx)
+            os.close(fd)
             os.remove(path)
         return path
 
@@ -66,8 +68,10 @@ FINITE_NONNEGATIVE = FiniteFloat(0.0)
 FINITE_POSITIVE = FiniteFloat(0.0, strict=True)
 
 # What a figure can be written as: matplotlib takes the format from the name (a name without
-# one became NAME.png, and an unknown one failed after the whole run).
-FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
+# one became NAME.png, and an unknown one failed after the whole run). These are the formats
+# its default backends write.
+FIGURE_SUFFIXES = (".png", ".svg", ".pdf", ".svgz", ".eps", ".ps", ".jpg", ".jpeg", ".tif", ".tiff", ".webp",
+                   ".pgf", ".raw", ".rgba")
 
 
 class FigurePath(OutputPath):
@@ -78,7 +82,8 @@ class FigurePath(OutputPath):
     def convert(self, value, param, ctx):
         path = super().convert(value, param, ctx)
         if path and not path.lower().endswith(FIGURE_SUFFIXES):
-            self.fail(f"cannot draw {path!r}: name a {', '.join(FIGURE_SUFFIXES)} file, e.g. figure.png", param, ctx)
+            self.fail(f"cannot draw {path!r}: name a file of a format matplotlib writes, e.g. figure.png, .svg or "
+                      f".pdf (any of {' '.join(FIGURE_SUFFIXES)})", param, ctx)
         return path
 
 

@@ -73,7 +73,11 @@ class ModelConfig:
                 raise ValueError(f"q_lora_rank must be >= 0, got {self.q_lora_rank}")
         for f in ("rope_theta", "rms_eps"):  # nan, 0 or a negative one made every output token 0
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            try:
+                ok = not isinstance(v, (bool, str)) and math.isfinite(float(v)) and float(v) > 0
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
                 raise ValueError(f"{f} must be a finite number above 0, got {v!r}")
 
     def kv_spec(self) -> KVSpec:

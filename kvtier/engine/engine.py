@@ -106,7 +106,7 @@ def check_engine(model_cfg: ModelConfig, config: EngineConfig) -> None:
         get_layout(config.layout, spec.kind)
         resolve_huge_pages(None)
         check_host_memory(config.host_tokens * spec.bytes_per_token, None, "the host pool", "Lower host_tokens.")
-    if config.prefix_cache != "none" and isinstance(config.io_backend, str):
+    if config.prefix_cache == "tiers" and isinstance(config.io_backend, str):  # the only mode that transfers
         get_backend(config.io_backend, dev)
 
 
