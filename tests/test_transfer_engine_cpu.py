@@ -572,3 +572,36 @@ def test_bench_transfer_refuses_a_block_count_of_zero_and_a_figure_it_cannot_dra
         res = CliRunner().invoke(main, ["bench", "transfer", "--quick", *argv])
         assert res.exit_code == 2 and says in res.output, res.output
         assert time.perf_counter() - t < 5
+
+
+def test_hundreds_of_cpu_transfers_hold_the_objects_flat():
+    """The CPU path's steady state (the GPU one: tests/test_transfer_gpu.py): after a warm-up,
+    200 backups and loads of scattered pages through one engine and the seed API leave the
+    Python objects alive where they were, and the bytes of the last round trip are right."""
+    import gc
+    spec = KVSpec("mla", 3, torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8)
+    dev = pool_from_spec(spec, 1024, 16, "cpu")
+    for st in dev.stacks.values():
+        st.view(torch.uint8).random_(0, 256)
+    host = host_pool_for(dev, "page_first", host_size_tokens=1024)
+    eng = TransferEngine(host)
+    rng = np.random.default_rng(3)
+
+    def round_():
+        h = torch.from_numpy((rng.permutation(32)[:8, None] * 16 + np.arange(16)).reshape(-1))
+        d = torch.from_numpy((rng.permutation(32)[:8, None] * 16 + np.arange(16)).reshape(-1))
+        eng.backup(h, d).synchronize()
+        eng.load(h, d + 512).synchronize()
+        for layer in range(dev.layer_num):
+            host.load_to_device_per_layer(dev, h, d + 512, layer, "direct")
+        return d
+    for _ in range(20):
+        d = round_()
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(100):
+        d = round_()
+    gc.collect()
+    assert len(gc.get_objects()) - before < 20
+    for st in dev.stacks.values():
+        assert torch.equal(st[:, d + 512].view(torch.uint8), st[:, d].view(torch.uint8))
