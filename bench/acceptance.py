@@ -13,11 +13,26 @@ of every row (kvtier.bench.transfer_plot).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 
-from kvtier.bench.targets import TARGET_95, ratio_text, target  # noqa: F401 (TARGET_95: for readers)
+
+def _targets():
+    """kvtier.bench.targets read from this checkout's file: the tables need no torch (importing
+    the kvtier package would load it); only --plot imports kvtier itself."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kvtier", "bench", "targets.py")
+    spec = importlib.util.spec_from_file_location("kvtier_bench_targets", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_T = _targets()
+TARGET_95, ratio_text, target = _T.TARGET_95, _T.ratio_text, _T.target
+PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".svgz", ".eps", ".ps", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".pgf",
+                 ".raw", ".rgba")  # kvtier.commands.FIGURE_SUFFIXES (a test keeps the two alike)
 
 # One way, the same backend timed twice in one H200 run differed by a median of 0.005x and by
 # 0.02x or more in a sixth of the rows (run 30): rows this close to their target can flip.
@@ -66,7 +81,6 @@ def parse(argv) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if missing := [p for p in args.json if not os.path.isfile(p)]:
         ap.error(f"no such file: {', '.join(map(repr, missing))} (the JSON that kvtier bench transfer --json wrote)")
-    from kvtier.bench.transfer_plot import PLOT_SUFFIXES
     if args.plot and not args.plot.lower().endswith(PLOT_SUFFIXES):
         ap.error(f"--plot {args.plot!r}: cannot draw that; name e.g. transfer.png, .svg or .pdf (any of "
                  f"{' '.join(PLOT_SUFFIXES)})")

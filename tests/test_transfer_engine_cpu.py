@@ -605,3 +605,26 @@ def test_hundreds_of_cpu_transfers_hold_the_objects_flat():
     assert len(gc.get_objects()) - before < 20
     for st in dev.stacks.values():
         assert torch.equal(st[:, d + 512].view(torch.uint8), st[:, d].view(torch.uint8))
+
+
+def test_acceptance_tables_need_no_torch(tmp_path):
+    """bench/acceptance.py reads the targets from this checkout without importing kvtier (and
+    with it torch); its figure suffixes are kvtier's."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from kvtier.commands import FIGURE_SUFFIXES
+    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['acceptance.py', sys.argv[1]]; "
+            "runpy.run_path('bench/acceptance.py', run_name='__main__')")
+    rows = [{"kind": "mha", "layout": "layer_first", "page_size": 1, "direction": "load", "backend": "dma",
+             "host_slots": "allocator", "gbps": 52.64, "limit_gbps": 55.5, "ratio": 0.948, "sms": 0}]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows))
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env={**os.environ,
+                         "PYTHONPATH": ""}, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0 and "0.948x" in out.stdout and "rows meeting their target: 0/1" in out.stdout, out.stderr
+    spec = importlib.util.spec_from_file_location("acceptance", "bench/acceptance.py")
+    acc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(acc)
+    assert acc.PLOT_SUFFIXES == FIGURE_SUFFIXES
