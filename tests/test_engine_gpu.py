@@ -97,3 +97,53 @@ def test_sdpa_reads_kv_heads_in_place_where_flash_takes_grouped_query_attention(
     want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kt, vt, attn_mask=mask, is_causal=q_start == 0,
                                           scale=128 ** -0.5)[0].transpose(0, 1)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("io_backend", [None, "dma", "kernel"])
+def test_a_long_run_on_the_gpu_holds_device_memory_and_objects_flat(io_backend):
+    """The engine on CUDA with the tiers, over a workload that fills both pools and loads host
+    hits back: once the host pool is full, 90 more requests leave the device memory torch holds,
+    the Python objects and the threads where they were, and every slot released. (Bounded
+    caches emptied before each count: DMA planning keeps up to 1,024 transfers' run lengths.)
+    Written after run 155; not yet run on a GPU."""
+    import gc
+    import importlib
+    import pkgutil
+    import threading
+
+    import kvtier.transfer
+    from kvtier.engine.workload import Workload, run_workload
+
+    def state():
+        for info in pkgutil.iter_modules(kvtier.transfer.__path__):
+            for v in vars(importlib.import_module(f"kvtier.transfer.{info.name}")).values():
+                if hasattr(v, "cache_parameters") and (v.cache_parameters()["maxsize"] or 0) > 1:
+                    v.cache_clear()
+        torch.cuda.synchronize()
+        gc.collect()
+        return torch.cuda.memory_allocated(), len(gc.get_objects()), threading.active_count()
+
+    cfg = tiny("llama", hidden_size=256, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=64, intermediate_size=512,
+               vocab_size=1000, dtype=torch.bfloat16)
+    # 384 device slots for three conversations of up to ~250 tokens: prefixes go to the host and
+    # come back (on the CPU, this workload's second ten runs loaded 2,400 host-hit tokens).
+    ecfg = EngineConfig(prefix_cache="tiers", device_tokens=384, host_tokens=4096, page_size=16, device="cuda",
+                        io_backend=io_backend)
+    e = Engine(make_model(cfg, ecfg, seed=1), ecfg)
+
+    def wl(seed):
+        return Workload(clients=3, rounds=3, system_tokens=96, user_tokens=48, output_tokens=4, vocab_size=1000,
+                        seed=seed)
+    for s in range(10):
+        run_workload(e, wl(s))
+    before = state()
+    hits = e.kv.metrics()["hit_tokens_total.host"]
+    for s in range(10, 20):
+        run_workload(e, wl(s))
+    after = state()
+    assert e.kv.metrics()["hit_tokens_total.host"] > hits  # host hits were loaded back on the way
+    assert after[0] == before[0], f"device memory grew by {after[0] - before[0]} bytes"
+    assert after[1] - before[1] < 40, f"{after[1] - before[1]} more Python objects"
+    assert after[2] == before[2]
+    snap = e.kv.metrics()
+    assert snap["tokens.device.locked"] == 0 and snap["tokens.device.request"] == 0
