@@ -12,6 +12,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from .validate import is_finite_number
+
 GB = 1e9
 # Left to the rest of the process and the machine unless told otherwise
 # (the seed keeps 10 GiB; so do we, overridable per pool or by environment).
@@ -178,19 +180,8 @@ def cgroup_limit_and_usage(root: Path | None = None, proc: Path | None = None) -
     return best
 
 
-def _finite_at_least_zero(x) -> bool:
-    """A number (a Python, numpy or one-element torch one) that is finite and >= 0."""
-    if isinstance(x, (bool, str, bytes)):
-        return False
-    try:
-        v = float(x)
-    except (TypeError, ValueError, RuntimeError):
-        return False
-    return math.isfinite(v) and v >= 0
-
-
 def host_memory(reserve_bytes: int | None = None) -> HostMemory:
-    if reserve_bytes is not None and not _finite_at_least_zero(reserve_bytes):
+    if reserve_bytes is not None and not is_finite_number(reserve_bytes):
         raise ValueError(f"reserve_bytes must be a finite number of bytes >= 0, got {reserve_bytes!r}")
     reserve = default_reserve_bytes() if reserve_bytes is None else int(reserve_bytes)
     vm = psutil.virtual_memory()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -16,6 +17,18 @@ def is_int(value) -> bool:
 def is_int_dtype(dtype: torch.dtype) -> bool:
     """An integer tensor dtype: not floating point, complex or bool."""
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def is_finite_number(value, low: float = 0.0, strict: bool = False) -> bool:
+    """A finite number (Python, numpy or a one-element tensor; not a bool or a string) of at
+    least ``low``, or above it where ``strict``."""
+    if isinstance(value, (bool, np.bool_, str, bytes)):
+        return False
+    try:
+        v = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return math.isfinite(v) and (v > low if strict else v >= low)
 
 
 def require_positive_int(name: str, value) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, is_dataclass
 
-from ..commands import FIGURE_SUFFIXES as PLOT_SUFFIXES  # noqa: F401 (bench/acceptance.py's check)
 from .targets import target
 COLORS = {"kernel": "#4c72b0", "dma": "#dd8452", "auto": "#55a868", "direct": "#8172b2"}
 ONE_WAY = ("backup", "load")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 
 import torch
 
 from ..spec import MHA, MLA, KVSpec, parse_dtype
-from ..validate import device_type, require_positive_int
+from ..validate import device_type, is_finite_number, require_positive_int
 
 LLAMA, DEEPSEEK = "llama", "deepseek"
 MODEL_KINDS = (LLAMA, DEEPSEEK)
@@ -73,11 +72,7 @@ class ModelConfig:
                 raise ValueError(f"q_lora_rank must be >= 0, got {self.q_lora_rank}")
         for f in ("rope_theta", "rms_eps"):  # nan, 0 or a negative one made every output token 0
             v = getattr(self, f)
-            try:
-                ok = not isinstance(v, (bool, str)) and math.isfinite(float(v)) and float(v) > 0
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
+            if not is_finite_number(v, strict=True):
                 raise ValueError(f"{f} must be a finite number above 0, got {v!r}")
 
     def kv_spec(self) -> KVSpec:
