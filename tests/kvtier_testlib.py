@@ -53,3 +53,17 @@ def host_snapshot(host) -> dict[str, torch.Tensor]:
 def pages_to_slots(pages, page_size: int) -> torch.Tensor:
     p = torch.as_tensor(list(pages), dtype=torch.int64)
     return (p[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+
+def clear_bounded_caches() -> None:
+    """Empty kvtier.transfer's bounded caches (``functools.lru_cache`` with a size over one:
+    DMA planning keeps up to 1,024 transfers' run lengths), so that a steady-state count of
+    live objects sees leaks, not those caches filling. Unbounded ones and cudart's handle stay."""
+    import importlib
+    import pkgutil
+
+    import kvtier.transfer
+    for info in pkgutil.iter_modules(kvtier.transfer.__path__):
+        for v in vars(importlib.import_module(f"kvtier.transfer.{info.name}")).values():
+            if hasattr(v, "cache_parameters") and (v.cache_parameters()["maxsize"] or 0) > 1:
+                v.cache_clear()

@@ -107,18 +107,13 @@ def test_a_long_run_on_the_gpu_holds_device_memory_and_objects_flat(io_backend):
     caches emptied before each count: DMA planning keeps up to 1,024 transfers' run lengths.)
     Written after run 155; not yet run on a GPU."""
     import gc
-    import importlib
-    import pkgutil
     import threading
 
-    import kvtier.transfer
     from kvtier.engine.workload import Workload, run_workload
+    from kvtier_testlib import clear_bounded_caches
 
     def state():
-        for info in pkgutil.iter_modules(kvtier.transfer.__path__):
-            for v in vars(importlib.import_module(f"kvtier.transfer.{info.name}")).values():
-                if hasattr(v, "cache_parameters") and (v.cache_parameters()["maxsize"] or 0) > 1:
-                    v.cache_clear()
+        clear_bounded_caches()
         torch.cuda.synchronize()
         gc.collect()
         return torch.cuda.memory_allocated(), len(gc.get_objects()), threading.active_count()

@@ -579,17 +579,17 @@ def test_hundreds_of_cpu_transfers_hold_the_objects_flat():
     200 backups and loads of scattered pages through one engine and the seed API leave the
     Python objects alive where they were, and the bytes of the last round trip are right."""
     import gc
+    from kvtier_testlib import fill_random, pages_to_slots
     spec = KVSpec("mla", 3, torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8)
     dev = pool_from_spec(spec, 1024, 16, "cpu")
-    for st in dev.stacks.values():
-        st.view(torch.uint8).random_(0, 256)
+    fill_random(dev, 3)
     host = host_pool_for(dev, "page_first", host_size_tokens=1024)
     eng = TransferEngine(host)
     rng = np.random.default_rng(3)
 
     def round_():
-        h = torch.from_numpy((rng.permutation(32)[:8, None] * 16 + np.arange(16)).reshape(-1))
-        d = torch.from_numpy((rng.permutation(32)[:8, None] * 16 + np.arange(16)).reshape(-1))
+        h = pages_to_slots(rng.permutation(32)[:8], 16)
+        d = pages_to_slots(rng.permutation(32)[:8], 16)
         eng.backup(h, d).synchronize()
         eng.load(h, d + 512).synchronize()
         for layer in range(dev.layer_num):

@@ -1170,15 +1170,10 @@ def _steady_state() -> tuple[int, int, int]:
     transfers' run lengths (``dma_plan._bound``), so scattered slots drawn afresh add an entry
     a transfer until it is full (run 155: 53 objects over 48 rounds, the same on a CPU, and -4
     with the caches emptied)."""
-    import importlib
-    import pkgutil
     import threading
 
-    import kvtier.transfer
-    for info in pkgutil.iter_modules(kvtier.transfer.__path__):
-        for v in vars(importlib.import_module(f"kvtier.transfer.{info.name}")).values():
-            if hasattr(v, "cache_parameters") and (v.cache_parameters()["maxsize"] or 0) > 1:  # not cudart's handle
-                v.cache_clear()
+    from kvtier_testlib import clear_bounded_caches
+    clear_bounded_caches()
     torch.cuda.synchronize()
     gc.collect()
     return torch.cuda.memory_allocated(), len(gc.get_objects()), threading.active_count()
