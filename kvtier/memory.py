@@ -76,10 +76,10 @@ def default_reserve_bytes() -> int:
 
 def host_limit_bytes() -> int | None:
     """``KVTIER_HOST_LIMIT_GB`` in bytes, or None where unset: the host memory this process
-    may use, for machines whose OS reports far less available than they can take. A VM
-    whose memory grows as it is used (a balloon, Firecracker) reads a small MemAvailable
-    until its memory has been touched, and gives it back when freed: on the H200 lease
-    machine (128 GiB) it read about 12 GB after a process had touched 60 GiB and exited."""
+    may use, for machines whose OS reports far less available than they can take (a VM whose
+    memory grows as it is used, such as a balloon or Firecracker, reads a small MemAvailable
+    until its memory has been touched, and gives it back when freed). Raises
+    :class:`EnvSettingError` for a value that is not a number above 0."""
     value = _env_gb(LIMIT_ENV, positive=True)
     return None if value is None else int(value * GB)
 
@@ -280,12 +280,12 @@ HUGE_PAGES_SUPPORTED = hasattr(mmap, "MADV_HUGEPAGE")  # Linux
 
 def huge_pages_default() -> bool:
     """Whether host buffers ask for huge pages when their owner does not say:
-    ``KVTIER_HOST_HUGE_PAGES`` (1 or 0), else wherever the platform can ask (Linux).
+    ``KVTIER_HOST_HUGE_PAGES`` (1 or 0), else wherever the platform can ask (Linux). Raises
+    :class:`EnvSettingError` for another value, or for 1 where the platform cannot ask.
 
-    On an H200 (run 91, ``bench/results/probe_huge_pages_h200.json``) the zero-copy kernel
-    moved layer_first page-64 pages to and from scattered host pages 0.02-0.045x of the link
-    faster from 2 MiB pages than from 4 KiB ones (MLA backups 0.858x -> 0.897x, loads 0.846x
-    -> 0.890x); the copy engines' rows changed by less than 0.02x either way."""
+    From 2 MiB pages the zero-copy kernel moves scattered host pages 0.02-0.045x of the link
+    faster than from 4 KiB ones; the copy engines do not gain. (Measured on an H200;
+    docs/performance.md, 'Where each default comes from'.)"""
     raw = os.environ.get(HUGE_PAGES_ENV, "").strip()
     if raw == "":
         return HUGE_PAGES_SUPPORTED
@@ -324,7 +324,7 @@ def huge_pages_note(mode: str | None = None, *, read: bool = True) -> str:
     if mode in ("always", "madvise"):
         return f"host pages: pools ask for 2 MiB pages (transparent huge pages: {mode} here)"
     return (f"host pages: pools ask for 2 MiB pages, but transparent huge pages are {mode or 'unknown'} here: "
-            "4 KiB pages (the zero-copy kernel moves scattered pages 0.02-0.045x slower, H200 run 91)")
+            "4 KiB pages (the zero-copy kernel moves scattered pages 0.02-0.045x slower, measured on an H200)")
 
 
 def resolve_huge_pages(huge_pages: bool | None) -> bool:

@@ -1,12 +1,13 @@
-"""Issue 3's acceptance targets for ``kvtier bench transfer`` rows, and how ratios are shown
-against them (``bench/acceptance.py``, the bench's table and its figure)."""
+"""The acceptance targets of ``kvtier bench transfer`` rows (each transfer's ratio to the
+contiguous-copy limit it must reach), and how ratios are shown against them
+(``bench/acceptance.py``, the bench's table and its figure)."""
 
 from __future__ import annotations
 
 import math
 
-# Issue 3's acceptance targets: 0.95x one way for these on host slots as the allocator hands
-# them out, 0.9x for the other one-way rows (page_head, DSA, scattered slots), 1.5x both at once;
+# The acceptance targets: 0.95x one way for these on host slots as the allocator hands them
+# out, 0.9x for the other one-way rows (page_head, DSA, scattered slots), 1.5x both at once;
 # page sizes 1 and 64 only.
 TARGET_95 = {("mha", "layer_first"), ("mha", "page_first"), ("mla", "layer_first"), ("mla", "page_first")}
 

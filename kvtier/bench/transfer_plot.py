@@ -3,9 +3,9 @@
 Columns are the host slots (as the allocator hands them out, scattered); rows
 of panels are one-way transfers (backup, per-layer load) and both at once.
 Each bar is one backend's GB/s over the run's contiguous limit; a red tick across
-each row marks its own target in issue 3 (0.95x or 0.9x one way, 1.5x both at once;
-none for page 16 or spread pools), solid lines the limit itself and dotted the
-contiguous copies both ways at once.
+each row marks its own acceptance target (:mod:`kvtier.bench.targets`: 0.95x or
+0.9x one way, 1.5x both at once; none for page 16 or spread pools), solid lines
+the limit itself and dotted the contiguous copies both ways at once.
 """
 
 from __future__ import annotations
@@ -43,42 +43,52 @@ def plot_transfer(rows, path: str, title: str) -> int:
     heights = [max(1, len(labels[name])) for name, _ in groups]
     fig, axes = plt.subplots(2, len(slots), figsize=(6.5 * len(slots), 0.19 * sum(heights) + 2.5),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
-    bar = 0.8 / len(backends)
     drawn = 0
     drawn_target = False  # labelled once, for the legend
     for col, slot in enumerate(slots):
         for row, (name, dirs) in enumerate(groups):
-            ax = axes[row][col]
-            keys = labels[name]
-            by = {(r["kind"], r["layout"], r["page_size"], r["direction"], r["backend"]): r["ratio"]
-                  for r in rows if r["host_slots"] == slot and r["direction"] in dirs}
-            for b, backend in enumerate(backends):
-                ys = [i + (b - (len(backends) - 1) / 2) * bar for i, k in enumerate(keys) if k + (backend,) in by]
-                xs = [by[k + (backend,)] for k in keys if k + (backend,) in by]
-                ax.barh(ys, xs, height=bar, color=COLORS.get(backend), label=backend)
-                drawn += len(xs)
-            ax.axvline(1.0, color="black", lw=0.8)
-            for i, (k, lay, ps, d) in enumerate(keys):  # each row's own target, across its bars
-                t = target({"kind": k, "layout": lay, "page_size": ps, "direction": d, "host_slots": slot})
-                if t is not None:
-                    ax.plot([t, t], [i - 0.45, i + 0.45], color="red", lw=1.2,
-                            label=None if drawn_target else "target")
-                    drawn_target = True
-            if name != "one way" and duplex:  # what the link gives both ways at once
-                ax.axvline(duplex[0], color="black", lw=0.8, ls=":")
-            ax.set_yticks(range(len(keys)))
-            ax.set_yticklabels([f"{k.upper()} {lay} p{ps} {d}" for k, lay, ps, d in keys], fontsize=7)
-            ax.invert_yaxis()
-            # From 0.5 where every bar reaches it (the GPU's rows); from 0 where some do not
-            # (the CPU's direct copies run at a few hundredths of memcpy), so no bar is cut off.
-            low = 0.5 if all(r["ratio"] >= 0.5 for r in rows) else 0.0
-            ax.set_xlim(*((low, 1.05) if name == "one way" else (low, 1.95)))
-            ax.set_title(f"{name}, host slots {slot}", fontsize=9)
-            ax.set_xlabel("ratio to the contiguous limit", fontsize=8)
-            ax.grid(axis="x", alpha=0.3)
+            n, drawn_target = _panel(axes[row][col], name, dirs, slot, labels[name], rows, backends, duplex,
+                                     drawn_target)
+            drawn += n
     axes[0][0].legend(fontsize=7, loc="lower right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return drawn
+
+
+def _panel(ax, name: str, dirs, slot: str, keys: list[tuple], rows: list[dict], backends: list[str],
+           duplex: list[float], drawn_target: bool) -> tuple[int, bool]:
+    """Draw the panel of directions ``dirs`` (titled ``name``) on host slots ``slot`` into ``ax``:
+    a bar per backend for each of ``keys`` (kind, layout, page size, direction), each row's
+    target, and the limits. Returns the bars drawn, and whether a target is labelled now."""
+    bar = 0.8 / len(backends)
+    drawn = 0
+    by = {(r["kind"], r["layout"], r["page_size"], r["direction"], r["backend"]): r["ratio"]
+          for r in rows if r["host_slots"] == slot and r["direction"] in dirs}
+    for b, backend in enumerate(backends):
+        ys = [i + (b - (len(backends) - 1) / 2) * bar for i, k in enumerate(keys) if k + (backend,) in by]
+        xs = [by[k + (backend,)] for k in keys if k + (backend,) in by]
+        ax.barh(ys, xs, height=bar, color=COLORS.get(backend), label=backend)
+        drawn += len(xs)
+    ax.axvline(1.0, color="black", lw=0.8)
+    for i, (k, lay, ps, d) in enumerate(keys):  # each row's own target, across its bars
+        t = target({"kind": k, "layout": lay, "page_size": ps, "direction": d, "host_slots": slot})
+        if t is not None:
+            ax.plot([t, t], [i - 0.45, i + 0.45], color="red", lw=1.2,
+                    label=None if drawn_target else "target")
+            drawn_target = True
+    if name != "one way" and duplex:  # what the link gives both ways at once
+        ax.axvline(duplex[0], color="black", lw=0.8, ls=":")
+    ax.set_yticks(range(len(keys)))
+    ax.set_yticklabels([f"{k.upper()} {lay} p{ps} {d}" for k, lay, ps, d in keys], fontsize=7)
+    ax.invert_yaxis()
+    # From 0.5 where every bar reaches it (the GPU's rows); from 0 where some do not
+    # (the CPU's direct copies run at a few hundredths of memcpy), so no bar is cut off.
+    low = 0.5 if all(r["ratio"] >= 0.5 for r in rows) else 0.0
+    ax.set_xlim(*((low, 1.05) if name == "one way" else (low, 1.95)))
+    ax.set_title(f"{name}, host slots {slot}", fontsize=9)
+    ax.set_xlabel("ratio to the contiguous limit", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    return drawn, drawn_target

@@ -39,7 +39,7 @@ MODELS = {
 }
 
 # What `--contexts` defaults to: the sizes ANCHORS.md measured for the real shape; for the CPU
-# smoke test, lengths it prefills in seconds (16k tokens took 68 s to recompute on 2 cores).
+# smoke test, lengths it prefills in seconds (recomputing 16k tokens takes about 68 s on 2 cores).
 DEFAULT_CONTEXTS = {"llama-3-8b": "16384,32768", "tiny": "1024,2048"}
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..transfer.base import IO_BACKENDS, Backend
+from ..transfer.base import Backend
+from ..transfer.factory import IO_BACKENDS
 from ..validate import require_positive_int
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")

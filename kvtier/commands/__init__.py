@@ -67,9 +67,9 @@ class FiniteFloat(click.ParamType):
 FINITE_NONNEGATIVE = FiniteFloat(0.0)
 FINITE_POSITIVE = FiniteFloat(0.0, strict=True)
 
-# What a figure can be written as: matplotlib takes the format from the name (a name without
-# one became NAME.png, and an unknown one failed after the whole run). These are the formats
-# its default backends write.
+# What a figure can be written as: matplotlib takes the format from the name (it writes a name
+# without one as NAME.png, and fails on an unknown one only after the whole run). These are the
+# formats its default backends write.
 FIGURE_SUFFIXES = (".png", ".svg", ".pdf", ".svgz", ".eps", ".ps", ".jpg", ".jpeg", ".tif", ".tiff", ".webp",
                    ".pgf", ".raw", ".rgba")
 
@@ -123,7 +123,7 @@ def check_engine_flags(device: str, layout: str | None, kind: str | None, io_bac
     """``--device``, ``--layout`` (for a model whose KV is of ``kind``) and ``--io-backend``
     values, checked before any work: click errors naming the flag and the choices."""
     from ..layouts import get_layout
-    from ..transfer.base import IO_BACKENDS, get_backend
+    from ..transfer.factory import IO_BACKENDS, get_backend
 
     dev = check_device_flag(device)
     if layout is not None and kind is not None:

@@ -99,30 +99,8 @@ def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_to
         except MemoryError as e:
             raise click.UsageError(str(e)) from None
     fits = mem.available // spec.bytes_per_token
-    click.echo(f"model      {spec.name}: {spec.describe()}")
-    for c in spec.components:
-        click.echo(f"  {c.name:<8} {c.item_bytes:>8,} B per token per layer")
-    click.echo(f"  total    {spec.bytes_per_token_per_layer:>8,} B per token per layer, "
-               f"{spec.bytes_per_token:,} B per token ({spec.bytes_per_token / 1024:.1f} KiB)")
-    click.echo(f"  page     {page_size} tokens = {spec.bytes_per_token * page_size / 2**20:.2f} MiB")
-    click.echo("")
-    click.echo("tier  layout        bytes/token  pieces/page  largest piece  note")
-    click.echo(f"L1    device        {spec.bytes_per_token:>11,}  {len(spec.components) * spec.layer_num:>11}  "
-               f"{page_size * max(c.item_bytes for c in spec.components):>13,}  per-layer GPU buffers")
-    rows = layout_rows(spec, page_size)
-    for r in rows:
-        click.echo(f"L2    {r['layout']:<12}  {r['bytes_per_token']:>11,}  {r['pieces_per_page']:>11}  "
-                   f"{r['largest_piece']:>13,}  {r['about']}")
-    click.echo("")
-    source = "cgroup limit" if mem.cgroup_limit is not None else "host limit"
-    if mem.limit is not None:
-        source += f"; {LIMIT_ENV}={mem.limit / GB:g} in place of the OS's available memory"
-    click.echo(f"host memory: {mem.total / GB:.1f} GB total, {mem.available / GB:.1f} GB usable "
-               f"after a {mem.reserve / GB:.1f} GB reserve ({source}"
-               + (f", cgroup limit {mem.cgroup_limit / GB:.1f} GB" if mem.cgroup_limit else "")
-               + (f" at {mem.cgroup_path}" if mem.cgroup_limit and mem.cgroup_path else "") + ")")
-    click.echo(f"host tier capacity here: {fits:,} tokens ({fits // page_size:,} pages of {page_size})")
-    click.echo(huge_pages_note())
+    rows = _echo_tiers(spec, page_size)
+    _echo_host(mem, fits, page_size)
     out = {
         "model": spec.name, "kind": spec.kind, "describe": spec.describe(),
         "bytes_per_token": spec.bytes_per_token,
@@ -148,6 +126,41 @@ def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_to
         with open(json_path, "w") as f:
             json.dump(out, f, indent=2)
         click.echo(f"wrote {json_path}")
+
+
+def _echo_tiers(spec: KVSpec, page_size: int) -> list[dict]:
+    """Print the model's bytes per token and page, and the table of tiers and host layouts;
+    return the layouts' rows (:func:`layout_rows`)."""
+    click.echo(f"model      {spec.name}: {spec.describe()}")
+    for c in spec.components:
+        click.echo(f"  {c.name:<8} {c.item_bytes:>8,} B per token per layer")
+    click.echo(f"  total    {spec.bytes_per_token_per_layer:>8,} B per token per layer, "
+               f"{spec.bytes_per_token:,} B per token ({spec.bytes_per_token / 1024:.1f} KiB)")
+    click.echo(f"  page     {page_size} tokens = {spec.bytes_per_token * page_size / 2**20:.2f} MiB")
+    click.echo("")
+    click.echo("tier  layout        bytes/token  pieces/page  largest piece  note")
+    click.echo(f"L1    device        {spec.bytes_per_token:>11,}  {len(spec.components) * spec.layer_num:>11}  "
+               f"{page_size * max(c.item_bytes for c in spec.components):>13,}  per-layer GPU buffers")
+    rows = layout_rows(spec, page_size)
+    for r in rows:
+        click.echo(f"L2    {r['layout']:<12}  {r['bytes_per_token']:>11,}  {r['pieces_per_page']:>11}  "
+                   f"{r['largest_piece']:>13,}  {r['about']}")
+    click.echo("")
+    return rows
+
+
+def _echo_host(mem, fits: int, page_size: int) -> None:
+    """Print the host memory ``mem`` (:class:`~kvtier.memory.HostMemory`) and which limit counts,
+    the host tier's capacity here (``fits`` tokens), and the huge-page note."""
+    source = "cgroup limit" if mem.cgroup_limit is not None else "host limit"
+    if mem.limit is not None:
+        source += f"; {LIMIT_ENV}={mem.limit / GB:g} in place of the OS's available memory"
+    click.echo(f"host memory: {mem.total / GB:.1f} GB total, {mem.available / GB:.1f} GB usable "
+               f"after a {mem.reserve / GB:.1f} GB reserve ({source}"
+               + (f", cgroup limit {mem.cgroup_limit / GB:.1f} GB" if mem.cgroup_limit else "")
+               + (f" at {mem.cgroup_path}" if mem.cgroup_limit and mem.cgroup_path else "") + ")")
+    click.echo(f"host tier capacity here: {fits:,} tokens ({fits // page_size:,} pages of {page_size})")
+    click.echo(huge_pages_note())
 
 
 def _roundtrip_or_exit(spec, page_size, tokens, reserve):

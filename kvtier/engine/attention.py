@@ -79,8 +79,8 @@ def _expand_heads(k: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 # Scores one reference-attention block may hold (query rows x keys x query heads): 2^25, 256 MiB
-# in float64. Whole, a 16k-token prefill of 8 query heads held 17 GB of float64 scores, and the
-# softmax as much again: a CPU machine's process was killed.
+# in float64. Unblocked, a 16k-token prefill of 8 query heads would hold 17 GB of float64 scores,
+# and the softmax as much again.
 MAX_SCORES = 1 << 25
 
 
@@ -151,7 +151,7 @@ def sdpa_attention(acc: torch.dtype | None = None) -> AttendFn:
 
     ``acc``: inputs in that dtype, the output rounded back to the queries' (the engine's
     ``exact`` mode on the CPU: float64, as the reference attention accumulates; without it a
-    prefix hit moved the logits by up to 5e-7 where the reference path left every bit).
+    prefix hit moves the logits by up to 5e-7 where the reference path leaves every bit).
 
     A whole-sequence prefill (``q_start == 0``) is plain causal attention; a
     prefill after a cached prefix uses a lower-right-aligned causal bias, so
@@ -160,12 +160,9 @@ def sdpa_attention(acc: torch.dtype | None = None) -> AttendFn:
     read as they are; elsewhere they are repeated for the kernels, since not
     every kernel or torch version takes ``enable_gqa`` (one that does not
     leaves the call to the math path, which holds every score). The repeat is
-    not cheap at long contexts: in a 16k device-hit step on an H200, 64
-    elementwise kernels, two a layer, took 8.9 ms of the step's 23 ms of
-    device work against attention's 3.9 ms
-    (``bench/results/probe_device_hit_h200_run75.json``); with the heads read
-    in place the step's device work was 14.2 ms (run 82,
-    ``probe_device_hit_h200.json``).
+    not cheap at long contexts: two elementwise kernels a layer, nearly 40% of a
+    16k-token device-hit step's device work (measured on an H200;
+    docs/performance.md).
     """
 
     def attend(q, k, v, q_start, scale):

@@ -70,7 +70,7 @@ class ModelConfig:
                 raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
             if self.q_lora_rank < 0:
                 raise ValueError(f"q_lora_rank must be >= 0, got {self.q_lora_rank}")
-        for f in ("rope_theta", "rms_eps"):  # nan, 0 or a negative one made every output token 0
+        for f in ("rope_theta", "rms_eps"):  # nan, 0 or a negative one makes every output token 0
             v = getattr(self, f)
             if not is_finite_number(v, strict=True):
                 raise ValueError(f"{f} must be a finite number above 0, got {v!r}")
@@ -141,10 +141,9 @@ class EngineConfig:
     a CUDA device: ``sms`` reads them by SMs (``kvtier.transfer.kernel.on_device``),
     ``pinned`` copies them from pinned memory without blocking (as vLLM and
     SGLang do), ``pageable`` with a plain ``.to``. A copy-engine copy issued
-    during a DMA load waits until the load's copy queue runs dry: for all of
-    it before loads drained, for at most 4 layers now (``DMAConfig.load_drain``;
-    H200, ``probe_copy_priority_h200*.json``). ``sms`` is the quickest; the other
-    two are there to measure what an engine that copies its inputs that way gets.
+    during a DMA load waits for up to ``DMAConfig.load_drain`` layers of the load
+    to land. ``sms`` is the quickest; the other two are there to measure what an
+    engine that copies its inputs that way gets.
     """
 
     prefix_cache: str = "tiers"
@@ -185,7 +184,8 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r}, but this torch has no CUDA device; use device='cpu'")
         from ..cache.config import EVICTION_POLICIES, WRITE_POLICIES
         from ..layouts import SUPPORTED
-        from ..transfer.base import IO_BACKENDS, Backend
+        from ..transfer.base import Backend
+        from ..transfer.factory import IO_BACKENDS
         layouts = sorted({lay for kinds in SUPPORTED.values() for lay in kinds})
         for f, allowed in (("layout", layouts), ("write_policy", WRITE_POLICIES), ("eviction", EVICTION_POLICIES)):
             if getattr(self, f) not in allowed:

@@ -85,14 +85,14 @@ KV_MANAGERS = {"none": _no_prefix_cache, "gpu": _prefix_cache, "tiers": _prefix_
 
 
 def check_engine(model_cfg: ModelConfig, config: EngineConfig) -> None:
-    """What an engine of ``config`` for a model of ``model_cfg`` would refuse, found before
-    anything is built (a review: a misspelt layout or a bad ``KVTIER_HOST_HUGE_PAGES`` surfaced
-    only after the weights, 1 GB and a second for a small model, a whole load for a checkpoint):
-    the host layout for the model's KV kind, the io backend for the device, the host-memory
-    settings, and that the pools fit in host memory."""
+    """Raise what an engine of ``config`` for a model of ``model_cfg`` would refuse, before
+    anything is built (the weights alone take seconds, a checkpoint a whole load): a ``config``
+    that is not an :class:`EngineConfig` (``TypeError``), the host layout for the model's KV
+    kind, the io backend for the device, the host-memory settings (``ValueError``), and pools
+    that do not fit in host memory (``MemoryError``)."""
     from ..layouts import get_layout
     from ..memory import resolve_huge_pages
-    from ..transfer.base import get_backend
+    from ..transfer.factory import get_backend
 
     if not isinstance(config, EngineConfig):
         raise TypeError(f"config must be an EngineConfig, got {type(config).__name__} "

@@ -88,13 +88,13 @@ class PrefixCache(_Pages):
     def admit(self, seq: Sequence) -> bool:
         # At least one token must be computed, to get the logits of the last one.
         # Locked as it is matched: the room counted next must not include the match's own pages.
-        # Counted only if admitted: a request refused for room asks again, and its hits were
-        # counted each time (a review: 1,104 hit tokens counted where requests reused 704).
+        # Counted only if admitted: a request refused for room asks again, and would count its
+        # hits each time.
         query = seq.token_ids[: seq.num_tokens - 1]
         match = self.cache.match_prefix(query, namespace=seq.namespace, lock=True, count=False)
         # What is on the device already, ready or behind another request's load still in flight
         # (locked now, so not in the room below either: counted on both sides, a request that
-        # fitted was held back for another's whole run).
+        # fits would be held back until another finishes).
         need = _round_up(seq.num_tokens - (match.total_len - match.host_only_len), self.page_size)
         if need > self.cache.device_free_tokens():
             self.cache.unlock(match.node)

@@ -24,11 +24,9 @@ class ModelRunner:
         if self.inputs == "pinned":
             return t.pin_memory().to(self.device, non_blocking=True)
         # Read over PCIe by SMs, not queued on a copy engine: a host-tier hit's load queues
-        # gigabytes of host -> device copies just before this step. Before loads drained
-        # (DMAConfig.load_drain), inputs copied behind them held the forward pass until the
-        # whole load had landed (H200: a 32k host hit by DMA took 118 ms that way, 83 ms this
-        # way; bench/NOTES_transfer.md, runs 34-43); now they wait for up to 4 layers.
-        from ..transfer.kernel import on_device
+        # gigabytes of host -> device copies just before this step, and inputs copied behind
+        # them wait for up to DMAConfig.load_drain layers of it to land.
+        from ..transfer.cuda_common import on_device
         return on_device(t, self.device)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:

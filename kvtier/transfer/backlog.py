@@ -1,16 +1,14 @@
 """Backups whose copies are still to be queued, queued in order by whichever thread gets there first.
 
-The transfer engine hands a backup's chunk loop (host work: 3-8 ms for a 32k-token backup
-on an H200) to a background thread, so that ``backup()`` returns at once and a load issued
-next is queued first. But that thread needs the GIL between every call into CUDA, and a
-caller's thread that keeps running Python gives it up only every ``sys.getswitchinterval()``
-(5 ms): an MLA backup then crawled at 0.05x of the link (H200 run 58,
-``bench/results/probe_busy_caller_h200_run58.json``). So the caller's thread queues whatever is
-still pending when it waits for a backup (``wait``, ``synchronize``, a transfer ordered
-after it), and when it asks ``done`` while the thread has queued nothing for ``STALL_S``:
-the backup then never waits long for the thread to get a turn, and a caller that polls
-right after ``backup()`` (then issues a load) does not take the queueing on itself while
-the thread is getting on with it.
+The transfer engine hands a backup's chunk loop (milliseconds of host work for a 32k-token
+backup) to a background thread, so that ``backup()`` returns at once and a load issued next
+is queued first. But that thread needs the GIL between every call into CUDA, and a caller's
+thread that keeps running Python gives it up only every ``sys.getswitchinterval()`` (5 ms),
+which starves the copy engine. So the caller's thread queues whatever is still pending when
+it waits for a backup (``wait``, ``synchronize``, a transfer ordered after it), and when it
+asks ``done`` while the thread has queued nothing for ``STALL_S``: the backup then never waits
+long for the thread to get a turn, and a caller that polls right after ``backup()`` (then
+issues a load) does not take the queueing on itself while the thread is getting on with it.
 
 Jobs run exactly once and in the order they were added; a job that raises fails its own
 future only.

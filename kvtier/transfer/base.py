@@ -55,7 +55,11 @@ class Backend:
 
     Preconditions (checked by the host pool, not here): indices are 1-D int64
     of equal length, in range, whole pages where the kind needs them, and no
-    slot is named twice among the destinations.
+    slot is named twice among the destinations. A backend may also offer
+    ``prepare(parts, host_idx, dev_idx, to_host, block_quota, host_np=, dev_np=)``
+    returning ``run(layer)`` (checks and planning once, then a call per layer);
+    the transfer engine uses it where present. Backends are built per owner
+    (:class:`~kvtier.transfer.factory.Backends`), never shared by the process.
     """
 
     name = ""
@@ -92,51 +96,3 @@ def chunk_hook(fn: Callable[[], None]):
         yield
     finally:
         _hooks.between_chunks = old
-
-
-_BACKENDS: dict[str, Backend] = {}
-IO_BACKENDS = ("direct", "kernel", "dma", "auto")
-
-
-def register_backend(backend: Backend) -> Backend:
-    _BACKENDS[backend.name] = backend
-    return backend
-
-
-def get_backend(name: str | Backend, device: torch.device) -> Backend:
-    """The backend for ``io_backend=name`` on a device pool living on ``device``.
-
-    ``name`` may also be a configured backend, e.g. ``DMABackend(DMAConfig(load_drain=0))``
-    from :mod:`kvtier.transfer.dma`: it is used as given (the named ones share one
-    instance per process, with the default configuration).
-    """
-    if isinstance(name, Backend):
-        if device.type != "cuda" and name.name != "direct":
-            _needs_cuda(f"{type(name).__name__}(...) (a {name.name!r} backend)", device)
-        return name
-    if name not in IO_BACKENDS:
-        raise ValueError(f"unknown io_backend {name!r}; use one of {list(IO_BACKENDS)}")
-    if device.type != "cuda":
-        if name in ("kernel", "dma"):
-            _needs_cuda(repr(name), device)
-        return _BACKENDS["direct"]
-    if name not in _BACKENDS:
-        _load_gpu_backends()
-    if name not in _BACKENDS:
-        raise ValueError(
-            f"io_backend={name!r} is not available in this installation; use 'direct'"
-        )
-    return _BACKENDS[name]
-
-
-def _needs_cuda(label: str, device: torch.device) -> None:
-    raise ValueError(f"io_backend={label} needs a CUDA device pool (this one is on {device}); "
-                     "use io_backend='direct', which works everywhere")
-
-
-def _load_gpu_backends() -> None:
-    """Import the CUDA backends on first use (they pull in Triton)."""
-    try:
-        from . import gpu  # noqa: F401  (registers kernel, dma, auto)
-    except ImportError:
-        pass

@@ -8,12 +8,12 @@ the reference every faster backend is tested against.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 import torch
 
-from .base import Backend, TransferPart, register_backend
+from .base import Backend, TransferPart
 
 
 def runs(host_idx: np.ndarray, dev_idx: np.ndarray, page_size: int, split_pages: bool) -> Iterator[tuple[int, int, int]]:
@@ -39,6 +39,8 @@ def _host_run(part: TransferPart, start: int, n: int, layer: int) -> torch.Tenso
 
 
 class DirectBackend(Backend):
+    """Plain torch copies between any host and device pool; holds no state."""
+
     name = "direct"
 
     def backup(self, parts, host_idx, dev_idx, block_quota=None):
@@ -68,8 +70,8 @@ class DirectBackend(Backend):
                 dev_view.copy_(host_view, non_blocking=pinned and host_view.is_contiguous())
 
 
-# Below this many tokens per run on average, one vectorised gather/scatter beats
-# a copy per run on the CPU (measured on the 2-core dev machine, 4 KiB items).
+# Below this many tokens per run on average, one vectorised gather/scatter beats a copy per
+# run on the CPU (measured on a 2-core CI-class machine, 4 KiB items).
 _MIN_RUN = 8
 
 
@@ -104,6 +106,4 @@ def _gather_scatter(part: TransferPart, h: torch.Tensor, d: torch.Tensor, layer:
     else:
         dv.index_copy_(0, d, pages[h // pl.page_size, h % pl.page_size])
 
-
-DIRECT = register_backend(DirectBackend())
 

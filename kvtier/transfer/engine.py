@@ -8,8 +8,7 @@ operation returns a handle that says when it is complete:
   layer, so attention for layer ``i`` waits for layer ``i`` only.
 
 On the CPU every operation completes before it returns and the handles are
-already done. On CUDA (see :mod:`kvtier.transfer.gpu`) backups and loads
-run on their own streams, ordered after the compute that produced the data.
+already done. On CUDA backups and loads run on their own streams, ordered after the compute that produced the data.
 A backup's copies are queued by a background thread (``background_backups``),
 so the caller, and a load it issues next, does not wait while the host queues
 gigabytes of copies.
@@ -22,181 +21,23 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from . import streams
 from .backlog import Backlog
-from .base import Backend, chunk_hook, get_backend
-from ..validate import require_index, require_positive_int
+from .base import Backend, chunk_hook
+from .factory import Backends
+from .handles import LayerLoad, TransferHandle, _count
+from ..validate import require_positive_int
 
 
-# The longest the background thread waits, in all, for a load being prepared (from the
-# load's start; it waits between a backup's chunks, and a 128 MiB chunk takes the copy engine
-# ~2.4 ms on an H200). A load's first layer is queued in 2-3 ms alone (H200 run 22); a load
-# whose first call queues every copy (DMA, single tokens on page_first: ~85 ms) shares the
-# host after that: waiting the whole time held DMA pairs there to 1.07-1.21x of one way,
-# against 1.42-1.48x not waiting (run 127, probe_pair_mix_h200_run127.json). Loads whose first
-# call takes 10-18 ms (DMA, single tokens on allocator slots, page_first) lost by it: their
-# pairs ran 0.02-0.08x lower than with the wait at every chunk in run 132, but in the A/B of
-# run 133 (probe_pair_mix_h200_run133.json) 5 ms was within 0.01x of 20 ms there and the best
-# of 5, 20 and 1000 ms, and of waiting only while the backup's earlier chunks were still on the
-# device, on all four cases (allocator and scattered slots, MHA and MLA page_first).
+# The longest the background thread waits, in all, for a load being prepared (from the load's
+# start; a load's first layer is queued in a few ms): the best of 5, 20 and 1000 ms for
+# backup + load pairs on an H200 (docs/performance.md).
 GIVE_WAY_S = 0.005
-
-
-class TransferHandle:
-    """Completion of one backup (or any all-at-once transfer).
-
-    Holds every tensor the transfer reads (index tensors, their device
-    copies) until it is complete, so none is freed or reused under it.
-    ``queued``: set when a background thread queues the transfer's copies;
-    the event is recorded (after them) once it is done, and an error the
-    thread hit is raised by ``done``, ``wait`` and ``synchronize``.
-    ``pump(queued, if_stalled=False)``: queues, in the calling thread, whatever is still
-    pending up to this transfer (:class:`~.backlog.Backlog`); ``wait`` and ``synchronize``
-    call it, and ``done`` when the background thread has stalled, so the transfer never
-    waits long for that thread to get the GIL.
-    """
-
-    def __init__(self, nbytes: int = 0, event=None, started: float | None = None, keep=(),
-                 queued: Future | None = None, pump=None):
-        self.nbytes = nbytes
-        self._event = event
-        self._keep = keep
-        self._queued = queued
-        self._pump = pump
-        self.started = time.perf_counter() if started is None else started
-        self.finished_at: float | None = None if event is not None else self.started
-
-    def _await_queued(self, raise_error: bool = True) -> None:
-        """Block the host until every copy is queued (not until they have run), queueing
-        what is still pending in this thread."""
-        if self._queued is not None:
-            if self._pump is not None and not self._queued.done():
-                self._pump(self._queued)
-            err = self._queued.exception()
-            if err is not None and raise_error:
-                raise err
-
-    def _finished(self) -> bool:
-        """Queued and complete on the device (whether the queueing failed or not); never raises."""
-        if self._queued is not None and not self._queued.done():
-            return False
-        return self._event is None or self._event.query()
-
-    def done(self) -> bool:
-        """Whether every copy has run. While some are still to be queued and the background
-        thread has queued nothing for a while (:data:`~.backlog.STALL_S`: the caller's thread
-        keeps the GIL), queues them first: a few ms of host work at most."""
-        if self._queued is not None and not self._queued.done():
-            if self._pump is not None:
-                self._pump(self._queued, if_stalled=True)
-            if not self._queued.done():
-                return False
-        self._await_queued()
-        if self._event is None or self._event.query():
-            if self.finished_at is None:
-                self.finished_at = time.perf_counter()
-            self._keep = ()
-            return True
-        return False
-
-    def wait(self, stream=None, raise_error: bool = True) -> None:
-        """Make ``stream`` (default: the current one) wait for the transfer. Blocks the host
-        only while a background thread is still queueing its copies (a few ms at most)."""
-        self._await_queued(raise_error)
-        if self._event is not None:
-            (torch.cuda.current_stream() if stream is None else stream).wait_event(self._event)
-
-    def synchronize(self) -> None:
-        self._await_queued()
-        if self._event is not None:
-            self._event.synchronize()
-        self.done()
-
-    def settle(self) -> BaseException | None:
-        """Block until whatever the transfer queued has run, and return the error that
-        stopped its queueing (None if there was none); never raises. After a failure, the
-        transfer's destination slots are safe to reuse once this returns."""
-        self._await_queued(raise_error=False)
-        if self._event is not None:
-            self._event.synchronize()
-        return self._queued.exception() if self._queued is not None else None
-
-
-def _count(indices, name: str) -> int:
-    """How many slots ``indices`` names (a 1-D tensor, array or sequence), for the byte count
-    taken before the pool checks them in full."""
-    shape = getattr(indices, "shape", None)
-    if shape is not None and len(shape) == 1:
-        return int(shape[0])
-    if shape is None and isinstance(indices, (list, tuple, range)):
-        return len(indices)
-    raise ValueError(f"{name} must be a one-dimensional sequence of slots, got "
-                     f"{type(indices).__name__}{'' if shape is None else f' of shape {tuple(shape)}'}")
-
-
-class LayerLoad:
-    """Completion of a layer-by-layer load: one event per layer."""
-
-    def __init__(self, layer_num: int, nbytes: int = 0, events=None, keep=()):
-        self.layer_num = layer_num
-        self.nbytes = nbytes
-        self._events = events  # None on the CPU: every layer is already there
-        self._keep = keep      # tensors the load reads, held until it is done
-        self.started = time.perf_counter()
-        self.finished_at: float | None = None if events is not None else self.started
-
-    def wait_layer(self, layer: int, stream=None) -> None:
-        """Make ``stream`` (default: the current one) wait until ``layer`` is loaded.
-
-        Does not block the host; work queued on ``stream`` afterwards sees the layer.
-        """
-        self._check_layer(layer)
-        if self._events is None:
-            return
-        s = torch.cuda.current_stream() if stream is None else stream
-        s.wait_event(self._events[layer])
-
-    def layer_done(self, layer: int) -> bool:
-        self._check_layer(layer)
-        return self._events is None or self._events[layer].query()
-
-    def _check_layer(self, layer) -> None:
-        # A negative layer would index from the end on the GPU, a large one raise a bare
-        # IndexError there, and on the CPU either answered "loaded".
-        require_index("layer", layer, self.layer_num)
-
-    def wait(self, stream=None, raise_error: bool = True) -> None:
-        """Make ``stream`` wait for every layer (``raise_error``: as :meth:`TransferHandle.wait`).
-        Through :meth:`wait_layer` and :meth:`layer_done`, so a subclass that overrides those
-        (several loads seen as one) waits and finishes as they say."""
-        self.wait_layer(self.layer_num - 1, stream)
-
-    def _finished(self) -> bool:
-        return self.layer_done(self.layer_num - 1)
-
-    def done(self) -> bool:
-        if self._finished():
-            if self.finished_at is None:
-                self.finished_at = time.perf_counter()
-            self._keep = ()
-            return True
-        return False
-
-    def synchronize(self) -> None:
-        if self._events is not None:
-            self._events[-1].synchronize()
-        self.done()
-
-    def settle(self) -> BaseException | None:
-        """As :meth:`TransferHandle.settle`: a load's copies are all queued before
-        ``load()`` returns (an error raises there), so this only waits."""
-        self.synchronize()
-        return None
 
 
 @dataclass
@@ -221,8 +62,8 @@ class _InFlight:
         self.host_span, self.dev_span = _span(host), _span(dev)
 
     def overlaps(self, host: np.ndarray, dev: np.ndarray) -> bool:
-        # Disjoint ranges first: np.isin over 32k slots costs the host ~1 ms (H200 timeline
-        # probe), and transfers of different pages usually lie in different ranges.
+        # Disjoint ranges first: np.isin over 32k slots costs the host about a millisecond,
+        # and transfers of different pages usually lie in different ranges.
         return bool((_meet(self.host_span, _span(host)) and np.isin(host, self.host, kind="table").any())
                     or (_meet(self.dev_span, _span(dev)) and np.isin(dev, self.dev, kind="table").any()))
 
@@ -240,8 +81,11 @@ class TransferEngine:
 
     ``io_backend``: ``direct`` (default on CPU), ``kernel``, ``dma`` or ``auto``
     (default on CUDA), or a backend built with its own configuration, e.g.
-    ``DMABackend(DMAConfig(load_drain=0))``. The engine never decides *what*
-    to move; the cache controller does.
+    ``DMABackend(DMAConfig(load_drain=0))``. ``backends``: the
+    :class:`~kvtier.transfer.factory.Backends` a name is taken from (default: a
+    set of the engine's own; pass one set to several engines to share what the
+    backends measured). The engine never decides *what* to move; the cache
+    controller does.
 
     On CUDA, backups run on one stream and loads on another (high priority),
     each ordered after the work queued so far on the caller's current stream.
@@ -254,9 +98,9 @@ class TransferEngine:
     ``background_backups`` (CUDA): a backup is checked, ordered and planned
     in the caller's thread (which also queues its first chunk when no earlier
     backup is still being queued), and its other copies are then queued by one
-    background thread (in order, one backup after another). Queueing a 4 GiB backup
-    takes the host 8-10 ms per part (H200, ``probe_host_timeline_h200_run21.json``):
-    inline, a load issued right after it started only once that was done.
+    background thread (in order, one backup after another): queueing a 4 GiB backup
+    takes the host milliseconds per part, and a load issued right after it must not
+    wait for that.
     That thread needs the GIL between its calls into CUDA; a caller's thread busy in
     Python lends it only every ``sys.getswitchinterval()``, so whatever is still pending
     is queued by the caller's thread when it waits for a backup (``wait``,
@@ -266,7 +110,7 @@ class TransferEngine:
     """
 
     def __init__(self, host_pool, io_backend: str | Backend | None = None, *, block_quota: int | None = None,
-                 background_backups: bool = True):
+                 background_backups: bool = True, backends: Backends | None = None):
         if not hasattr(host_pool, "transfer_parts") or not hasattr(host_pool, "device_pool"):
             raise TypeError(f"TransferEngine moves KV for a host pool (MHATokenToKVPoolHost, ...: it knows its "
                             f"device pool), got {type(host_pool).__name__}")
@@ -279,7 +123,10 @@ class TransferEngine:
             require_positive_int("block_quota", block_quota)
         if not isinstance(background_backups, bool):
             raise ValueError(f"background_backups must be True or False, got {background_backups!r}")
-        self.backend = get_backend(io_backend, self.device)
+        if backends is not None and not isinstance(backends, Backends):
+            raise TypeError(f"backends must be a kvtier.transfer.Backends, got {type(backends).__name__}")
+        self.backends = Backends() if backends is None else backends
+        self.backend = self.backends.get(io_backend, self.device)
         self.io_backend = io_backend
         self.block_quota = block_quota
         self.stats = TransferStats()
@@ -381,9 +228,8 @@ class TransferEngine:
 
     def _queue_load_call(self, stream, parts, h, d, h_np, d_np, nbytes: int) -> LayerLoad:
         """Queue a load on ``stream`` (current), layer by layer, an event after each."""
-        # Until the first layer's copies are queued, the background thread pauses
-        # between its chunks: it held the GIL often enough to slow a load's
-        # preparation from 2-3 ms to 7.5 ms (H200 run 22, probe_host_timeline).
+        # Until the first layer's copies are queued, the background thread pauses between
+        # its chunks: it holds the GIL often enough to slow a load's preparation severalfold.
         events = []
         with self._load_first():
             run = self._runner(parts, h, d, False, h_np, d_np)
@@ -447,9 +293,8 @@ class TransferEngine:
             self._issuer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-backup",
                                               initializer=torch.cuda.set_device, initargs=(index,))
             # The backlog and the thread reach this engine through a weak reference, and the
-            # thread ends with it: a strong one (engine -> backlog -> engine) kept a dropped engine,
-            # and the host pool it moves, until the cyclic collector ran (H200 run 116: 34 GB
-            # pools of earlier cases still held, and the next one refused).
+            # thread ends with it: a strong one (engine -> backlog -> engine) would keep a dropped
+            # engine, and the host pool it moves, until the cyclic collector ran.
             me, issuer = weakref.ref(self), self._issuer
             self._backlog = Backlog(lambda pump: issuer.submit(_pump_for, me, pump))
             weakref.finalize(self, issuer.shutdown, wait=False)

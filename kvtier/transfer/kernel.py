@@ -8,23 +8,20 @@ no staging and no copy engine. The cost is SMs: a transfer occupies at most
 
 from __future__ import annotations
 
-import functools
-import threading
-import weakref
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from .base import Backend, TransferPart
-from .dma_plan import ascending, whole_pages as slots_whole
 from ..layouts import Placement
-from .triton_kernels import WordPlan, copy_items, fetch_index, interpreting, layer_ptr_table, layers_gcd
 from ..validate import require_positive_int
+from .base import Backend, TransferPart
+from .cuda_common import PartTables, check_mapped, numpy_if_host, on_device
+from .slots import ascending, whole_pages as slots_whole
+from .triton_kernels import copy_items
 
-# Blocks a transfer may occupy when the caller names no quota. Measured on an
-# H200 (bench/NOTES_transfer.md): fewer blocks leave zero-copy loads short of
-# the PCIe limit, more steal SMs for no gain.
+# Blocks a transfer may occupy when the caller names no quota: fewer leave zero-copy loads
+# short of the PCIe limit on an H200, more take SMs for no gain (docs/performance.md).
 DEFAULT_MAX_BLOCKS = 32
 
 
@@ -41,15 +38,11 @@ class KernelConfig:
     not 4-byte ones, and the kernel reads one slot number per page.
 
     ``host_order``: a backup moves its slot pairs in host-slot order (where the caller's
-    host slots, read back anyway, are not already ascending). The GPU writes host memory
-    slower the more 2 MiB host pages the rows in flight at once are spread over: MLA single
-    tokens to host slots drawn at random from a pool 8x the transfer went at 0.473x as
-    drawn and 0.903x with this on (0.905x sorted before the call; H200 run 110), 0.897x from
-    a pool 2x the transfer (0.907x sorted before). Loads read at the same rate in any order
-    and keep the caller's.
-    The sort runs on the device, queued with the copy; host slots already ascending, as an
-    allocator hands them out, cost one comparison pass on the host. (Sorted on the host
-    first, run 109, it cost 0.02x in a 2x pool: its ~1 ms of host time came before the copy.)
+    host slots, read back anyway, are not already ascending): the GPU writes host memory
+    slower the more 2 MiB host pages the rows in flight are spread over (single tokens to
+    random slots of a large pool: 0.47x of the link as drawn, 0.90x sorted, on an H200).
+    Loads read at the same rate in any order and keep the caller's. The sort runs on the
+    device, queued with the copy; slots already ascending cost one comparison on the host.
     """
 
     max_blocks: int = DEFAULT_MAX_BLOCKS
@@ -99,94 +92,10 @@ def page_part(part: TransferPart, chunk_cap: int) -> TransferPart | None:
     return replace(part, host=paged, device_layers=tuple(layers))
 
 
-class PartTables:
-    """Per-part device pointer tables and the gcd of those pointers, built once per part and
-    dropped with it. Parts are held weakly: the backends that keep these tables live as long
-    as the process, and a part holds its pools' memory (it held every pool a process ever
-    moved, host and device memory both, until the part was held weakly here)."""
-
-    def __init__(self):
-        self._tables: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}
-        self._lock = threading.Lock()  # one table per part, whichever thread asks first
-
-    def _hit(self, part: TransferPart, device: torch.device):
-        key = id(part)
-        hit = self._tables.get(key)
-        if hit is None or hit[0]() is not part:
-            with self._lock:
-                hit = self._tables.get(key)
-                if hit is None or hit[0]() is not part:
-                    hit = (weakref.ref(part, functools.partial(_forget, self._tables, key)),
-                           layer_ptr_table(part.device_layers, device), layers_gcd(part.device_layers), {})
-                    self._tables[key] = hit
-        return hit
-
-    def paged(self, part: TransferPart, chunk_cap: int) -> TransferPart | None:
-        """:func:`page_part` of ``part``, made once per part and cap (its own tables with it)."""
-        seen = self._hit(part, part.device_layers[0].device)[3]
-        if chunk_cap not in seen:
-            seen[chunk_cap] = page_part(part, chunk_cap)
-        return seen[chunk_cap]
-
-    def get(self, part: TransferPart, device: torch.device) -> torch.Tensor:
-        return self._hit(part, device)[1]
-
-    def gcd(self, part: TransferPart, device: torch.device) -> int:
-        """The gcd of the part's device layer addresses (what :meth:`WordPlan.for_copy` needs)."""
-        return self._hit(part, device)[2]
-
-    def words(self, part: TransferPart, pl: Placement, buf: torch.Tensor) -> WordPlan:
-        """The word plan for a copy between ``part``'s device layers and ``buf`` placed by ``pl``."""
-        return WordPlan.for_copy(pl, buf, part.device_layers, self.gcd(part, part.device_layers[0].device))
-
-
-def _forget(tables: dict, key: int, ref: weakref.ref) -> None:
-    """A part's table goes with the part (only its own entry: the id may be taken again)."""
-    hit = tables.get(key)
-    if hit is not None and hit[0] is ref:
-        tables.pop(key, None)
-
-
-def numpy_if_host(idx: torch.Tensor, known):
-    """``known`` if given, else ``idx`` as numpy where that needs no device read (else None)."""
-    if known is not None or idx.device.type != "cpu":
-        return known
-    return idx.numpy()
-
-
-def on_device(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``idx`` as int64 on ``device``; a host tensor is copied by a kernel on the current stream
-    (:func:`~.triton_kernels.fetch_index`: never queued behind bulk copies, never blocking the host)."""
-    idx = idx.to(torch.int64).contiguous()  # the kernels read an index as packed int64s
-    if idx.device == device:
-        return idx
-    if device.type != "cuda" or interpreting():
-        return idx.to(device)
-    return fetch_index(idx, device)
-
-
-def host_numpy(idx: torch.Tensor):
-    """``idx`` as a numpy array; a CUDA tensor is read back without queueing behind bulk copies."""
-    if idx.device.type == "cuda" and not interpreting():
-        from .triton_kernels import fetch_index_to_host
-        return fetch_index_to_host(idx)
-    return idx.to("cpu").numpy()
-
-
-def check_mapped(part: TransferPart) -> None:
-    """Raise unless ``part``'s host bytes are registered with CUDA (a zero-copy kernel or a
-    copy into them would otherwise fault). By the part's own record where it has one
-    (``TransferPart.mapped``), else by asking the runtime (``is_pinned``)."""
-    if part.host_raw.device.type != "cpu" or not (part.mapped() if part.mapped is not None
-                                                  else part.host_raw.is_pinned()):
-        raise ValueError(
-            f"component {part.name!r}: zero-copy kernels need host memory registered with CUDA "
-            "(build the host pool on a machine with CUDA, pin_memory=None or True); "
-            "use io_backend='direct' otherwise"
-        )
-
-
 class KernelBackend(Backend):
+    """Zero-copy Triton kernels between the device pool and mapped host memory. Owns its
+    per-part pointer tables."""
+
     name = "kernel"
 
     def __init__(self, config: KernelConfig = KernelConfig()):
@@ -240,7 +149,9 @@ class KernelBackend(Backend):
             d = d[order]
         pages = {}
         if self.config.page_rows and whole_pages(host_np, dev_np, parts[0].host.page_size):
-            pages = {i: q for i, p in enumerate(parts) if (q := self.tables.paged(p, self.config.page_chunk_bytes))}
+            cap = self.config.page_chunk_bytes
+            pages = {i: q for i, p in enumerate(parts)
+                     if (q := self.tables.memo(p, ("paged", cap), lambda part: page_part(part, cap)))}
         if not pages:
             return [(p, h, d) for p in parts]
         ps = parts[0].host.page_size

@@ -4,20 +4,14 @@ The calibrated model of :mod:`.auto` is a prior: it ranks the candidates the
 first time a transfer shape is seen. Each candidate is then tried on real
 transfers of that shape until it has ``explore`` (3) timed samples, and from
 then on the one with the best score runs. The score is a candidate's
-second-best sample. A transfer's time is most often inflated (a kernel
-compiled on first use, staging buffers allocated, other work on the GPU),
-so one inflated sample must not condemn a path (H200 run 14: by the median
-of two, auto kept the kernel at 0.88x where DMA gave 0.94x); but samples
-also scatter the other way, and the best alone can pick a path that then
-runs slower (run 27: DMA's best of four, 49.5 GB/s, beat the kernel's 49.1
-where DMA then ran at 46.5). A candidate
-scoring within ``tie`` (2%) of the top keeps its place in the prior's order:
-samples that close cannot tell two paths apart (run 27: DMA's two samples
-best 47.8 GB/s against the kernel's 48.2 put an MLA backup on the kernel at
-0.86x where DMA runs at 0.95x). A shape is what
-changes the answer: direction, each part's geometry, the size class and
-how long the host runs are. Timings are device events read back only once
-they have completed, so choosing never blocks the host.
+second-best sample: a transfer's time is most often inflated (a kernel
+compiled on first use, staging buffers allocated, other work on the GPU), so
+one inflated sample must not condemn a path, and one lucky sample must not
+pick it either. A candidate scoring within ``tie`` (2%) of the top keeps its
+place in the prior's order: samples that close cannot tell two paths apart.
+A shape is what changes the answer: direction, each part's geometry, the size
+class and how long the host runs are. Timings are device events read back only
+once they have completed, so choosing never blocks the host.
 """
 
 from __future__ import annotations
@@ -30,13 +24,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..validate import require_positive_int
-from .dma_plan import Runs, run_class
+from .slots import Runs, run_class
 
 
 DUPLEX = "duplex"
 # Samples kept per shape and candidate, the latest: every pick scores them all, and a
-# long-running server times millions of transfers of one shape (all kept, one pick took 39 ms
-# of host time after 100k). The bench's cases add at most ~22 a shape.
+# long-running server times millions of transfers of one shape.
 WINDOW = 32
 
 
@@ -53,42 +46,22 @@ class OnlineChooser:
     """Per shape: explore each candidate ``explore`` times, then keep the one with the best
     :func:`score` (the prior's order breaks a tie within ``tie``).
 
-    A backup that will share the link with a load (its key ends with
-    ``DUPLEX``) takes ``when_shared`` whenever that is a candidate, without
-    exploring: each sample only times its own direction, and a zero-copy
-    kernel's cost falls on the other one. On an H200 a backup and a load
-    together moved 1.50-1.78x of one direction's limit when both went through
-    the copy engines and 1.03-1.13x when both were zero-copy kernels, or the
-    backup was (bench/results/transfer_h200*.json, runs 12-13; run 113). (So
-    does a shared load with ``pair_loads`` off, or one with a single candidate.) The
-    exception: where ``when_shared`` has been timed alone at under
-    ``shared_margin`` of the best (copies of single scattered tokens, 0.66-0.69x
-    against the kernel's 0.88-0.90x), the pair went faster with the kernel
-    (run 15: 48 vs 58 GB/s), so the best alone is taken; likewise when the
-    transfers the other way can only go by the kernel. The margin is 0.7: at
-    0.8, MLA's layer_first page-64 backups to scattered pages, whose DMA
-    samples in ``auto`` read 0.78 of the kernel's (38.8 against 49.6 GB/s;
-    0.87 in the bench's own DMA row), went by the kernel, and their pairs
-    moved 1.05x against DMA both ways' 1.24x (run 123).
+    A backup that will share the link with a load (its key ends with ``DUPLEX``) takes
+    ``when_shared`` whenever that is a candidate, without exploring: each sample times only
+    its own direction, and a zero-copy kernel's cost falls on the other one (a backup and a
+    load together move about 1.6x of one direction's limit through the copy engines, about
+    1.1x as zero-copy kernels). The exception: where ``when_shared`` has been timed alone at
+    under ``shared_margin`` of the best (copies of single scattered tokens), the best alone
+    is taken; likewise when the transfers the other way can only go by the kernel.
 
-    ``pair_loads``: a shared load with more than one candidate is instead
-    explored like a transfer alone and scored by what its pairs moved: the
-    bytes of the load and of the backups beside it over the time from the
-    first start to the last end (:meth:`record_pair`, filed by
-    :class:`PendingTimings`), as the bench times ``both``. What suits a load
-    in a pair depends on the rows: on an H200 (run 113,
-    ``probe_pair_mix_h200_run113.json``), single scattered tokens went at
-    1.25-1.28x (MHA page_head, page_first) and 1.12x (MLA page_first) with DMA
-    backups beside kernel loads, against 0.99-1.05x by DMA both ways;
-    scattered page-64 pages at 1.49x by DMA both ways against 1.16x with
-    kernel loads. A load's own samples cannot tell these apart (run 115: a
-    DMA load of single tokens timed 50 GB/s on its own in pairs that moved
-    60 GB/s; a kernel load 37); the pair's can. Backups keep the rule above:
-    a zero-copy backup held every pair timed to about one direction's rate
-    (1.05-1.09x, run 113). Where a shared backup goes by the kernel all the
-    same, :mod:`.auto` also tries it on fewer blocks and keeps whichever
-    pairs moved more (:meth:`pick_by_pairs`; run 122: single scattered tokens
-    on layer_first 1.07 -> 1.28x for MHA).
+    ``pair_loads``: a shared load with more than one candidate is instead explored like a
+    transfer alone and scored by what its pairs moved: the bytes of the load and of the
+    backups beside it over the time from the first start to the last end
+    (:meth:`record_pair`, filed by :class:`PendingTimings`). What suits a load in a pair
+    depends on the rows, and a load's own samples cannot tell; the pair's can. Where a shared
+    backup goes by the kernel all the same, :mod:`.auto` also tries it on fewer blocks and
+    keeps whichever pairs moved more (:meth:`pick_by_pairs`).
+    Thresholds were measured on an H200 (docs/performance.md).
     """
 
     explore: int = 3

@@ -7,12 +7,8 @@ objects that share a CUDA stream run one after the other, however the code
 that uses them meant them to overlap. For kvtier that means:
 
 - A DMA backup whose staging ring's side stream (the gathers) is the engine's
-  backup stream (the copies) gathers and copies in turn. In the transfer bench,
-  which makes three engines per case, one such engine backed up at 0.81x where
-  auto, on the same DMA backend, made 0.94x (H200 run 47). Forced on purpose: MLA
-  page_first p64 backups 0.82x against 0.95x, MHA layer_first p64 loads 0.85x
-  against 0.96x, and drawn again by this module, 0.95x and 0.96x (run 48,
-  ``bench/probes/stream_alias.py``).
+  backup stream (the copies) gathers and copies in turn, at a fraction of the
+  link's speed.
 - A kvtier stream that is the caller's compute stream holds the forward pass
   behind the transfer.
 
@@ -36,10 +32,10 @@ POOL = 32  # streams PyTorch hands out per priority level and device, in turn
 # Owners of kvtier streams (engines, staging rings): each lists its streams in
 # ``kvtier_streams()``. Held weakly, so a dropped engine gives its streams back. (Not a
 # weak reference to each stream: PyTorch's stream objects do not clear theirs when freed,
-# and Python's exit handler then crashed on them, H200 run 48.)
+# and Python's exit handler then crashes on them.)
 _owners: weakref.WeakSet = weakref.WeakSet()
 _callers: set[int] = set()  # handles of callers' current streams seen by TransferEngine
-repair = True  # False: keep streams as drawn, aliased or not (bench/probes/stream_alias.py)
+repair = True  # False: keep streams as drawn, aliased or not (to measure what aliasing costs)
 _warned = False
 
 

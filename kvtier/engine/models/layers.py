@@ -60,8 +60,8 @@ class Rotary(nn.Module):
         super().__init__()
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
         self.inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        # inv_freq on each device it was asked for, copied once. A blocking .to(device) per layer
-        # and step made the host wait for the stream each time (torch synchronizes the stream
+        # inv_freq on each device it was asked for, copied once: a blocking .to(device) per layer
+        # and step would make the host wait for the stream each time (torch synchronizes the stream
         # after a blocking host-to-device copy), so it could not queue layers ahead of the device.
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
 
