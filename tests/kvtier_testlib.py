@@ -6,6 +6,11 @@ import torch
 
 from kvtier import DSATokenToKVPool, MHATokenToKVPool, MLATokenToKVPool
 from kvtier.host_pool import HOST_POOL_CLASSES
+from kvtier.spec import KVSpec
+
+# Real models' shapes, for the planning tests (tests/transfer_cpu/test_dma_*.py, tests/kernels/test_triton_launch.py).
+MHA = KVSpec("mha", 32, torch.bfloat16, head_num=8, head_dim=128)    # llama-3-8b: 2 KiB K or V rows
+MLA = KVSpec("mla", 61, torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64)  # deepseek-v3: 1152 B
 
 
 def make_device_pool(kind, size, page_size, dtype, layers, device="cpu", heads=3, head_dim=40,
@@ -63,7 +68,7 @@ def clear_bounded_caches() -> None:
     import pkgutil
 
     import kvtier.transfer
-    for info in pkgutil.iter_modules(kvtier.transfer.__path__):
-        for v in vars(importlib.import_module(f"kvtier.transfer.{info.name}")).values():
+    for info in pkgutil.walk_packages(kvtier.transfer.__path__, "kvtier.transfer."):
+        for v in vars(importlib.import_module(info.name)).values():
             if hasattr(v, "cache_parameters") and (v.cache_parameters()["maxsize"] or 0) > 1:
                 v.cache_clear()

@@ -1,7 +1,7 @@
 """kvtier's streams keep off one another and off the callers' (kvtier.transfer.streams).
 
 PyTorch hands out its 32 pooled streams per priority in turn. The GPU side, where real
-pooled streams alias and kvtier repairs them, is in tests/test_transfer_gpu.py
+pooled streams alias and kvtier repairs them, is in tests/transfer_gpu/test_transfer_gpu_ordering.py
 (``test_*alias*``). Here: the search over a pool that goes round, and the clash rule.
 """
 

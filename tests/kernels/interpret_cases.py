@@ -4,7 +4,7 @@ The interpreter executes the same kernel source on tiny CPU tensors; the
 copy engine is played by ``ctypes.memmove`` row by row. Not covered here:
 the compiled grid-stride loop (the interpreter cannot loop over a runtime
 bound with numpy >= 2.4, so each program does one tile there), streams and
-events; tests/test_transfer_gpu.py covers those on a GPU.
+events; tests/transfer_gpu/ covers those on a GPU.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ triton = pytest.importorskip("triton")
 
 from kvtier.layouts import LAYOUTS, SUPPORTED  # noqa: E402
 from kvtier.spec import KVSpec  # noqa: E402
-from kvtier.transfer.dma_plan import (LayerChunkedPlan, compact, dma_capable, grouped_plan, layer_major,  # noqa: E402
-                                      plan)
+from kvtier.transfer.dma.chunked import LayerChunkedPlan, layer_major
+from kvtier.transfer.dma.plan import compact, dma_capable, plan
+from kvtier.transfer.dma.chunked import grouped_plan
 from kvtier.transfer.triton_kernels import copy_items, layer_ptr_table  # noqa: E402
 
 SPECS = [

@@ -15,7 +15,7 @@ import torch
 
 from cache_testlib import kv_matches, kv_values, make_cache, serve
 from conftest import devices
-from kvtier.transfer.base import get_backend
+from kvtier.transfer import get_backend
 
 BACKENDS = [None, "direct", "kernel", "dma"]
 

@@ -1,4 +1,4 @@
-"""Run the Triton interpreter cases (tests/interpret_cases.py) in a process of their own.
+"""Run the Triton interpreter cases (tests/kernels/interpret_cases.py) in a process of their own.
 
 TRITON_INTERPRET=1 turns every ``@triton.jit`` kernel defined afterwards into
 the interpreter, for the whole process: set in the main test process it would
@@ -24,7 +24,7 @@ def test_triton_kernels_under_the_interpreter():
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
          str(here / "interpret_cases.py")],
-        capture_output=True, text=True, env=env, cwd=here.parent, timeout=600,
+        capture_output=True, text=True, env=env, cwd=here.parents[1], timeout=600,
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and " failed" not in res.stdout
