@@ -1,6 +1,6 @@
 """Issue 3's acceptance, read from `kvtier bench transfer --json` rows.
 
-Usage: python bench/acceptance.py [--readme] [--plot PNG] bench/results/transfer_h200.json [more.json ...]
+Usage: python bench/acceptance.py [--readme] [--plot PNG] bench/results/h200/transfer.json [more.json ...]
 (an unknown option is a usage error, not a file name)
 Later files replace earlier ones' rows of the same (kind, layout, page, direction, slots, backend).
 Prints, for every acceptance row, each backend's GB/s and ratio, the target, how far the
@@ -34,8 +34,8 @@ TARGET_95, ratio_text, target = _T.TARGET_95, _T.ratio_text, _T.target
 PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".svgz", ".eps", ".ps", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".pgf",
                  ".raw", ".rgba")  # kvtier.commands.FIGURE_SUFFIXES (a test keeps the two alike)
 
-# One way, the same backend timed twice in one H200 run differed by a median of 0.005x and by
-# 0.02x or more in a sixth of the rows (run 30): rows this close to their target can flip.
+# One way, the same backend timed twice in one process differs by a median of 0.005x and by
+# 0.02x or more in a sixth of the rows (H200): rows this close to their target can flip.
 NEAR = 0.02
 SHOWN = ("kernel", "dma", "auto")  # the README's columns; any other backend in the rows gets one after them
 DIRECTION = {"backup": "backup", "load": "per-layer load", "both": "both at once (sum)"}
@@ -111,8 +111,7 @@ def main(argv):
     for key, by in cells.items():
         t = target(next(iter(by.values())))
         best = max(by.values(), key=exact)
-        # From GB/s over the limit, not the rounded ratio: 1.4997x is not 1.5x (run 124 counted
-        # one such row met, runs 12-98 thirteen).
+        # From GB/s over the limit, not the JSON's ratio rounded to 3 decimals: 1.4997x is not 1.5x.
         ok = t is not None and exact(best) >= t
         a = by.get("auto")
         close = a is None or a["gbps"] >= 0.95 * best["gbps"]

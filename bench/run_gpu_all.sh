@@ -13,19 +13,19 @@
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KVTIER_HOST_RESERVE_GB=4
 # The lease machine's memory grows as it is used and goes back when freed: MemAvailable read
-# ~12 GB of its 128 GiB (run 112), so the pools' check is told the machine's real size.
+# ~12 GB of its 128 GiB, so the pools' check is told the machine's real size.
 export KVTIER_HOST_LIMIT_GB=${KVTIER_HOST_LIMIT_GB:-110}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,pcie.link.gen.current,pcie.link.width.current --format=csv > "$OUT/gpu_tests.log"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu_tests.log"
-# The host's speed: lease machines differ up to 3x (H200 runs 134, 136 and 139), and DMA's
+# The host's speed: lease machines differ up to 3x, and DMA's
 # single-token pairs follow it. One DMA backup and load call alone, 32k scattered single
 # page_first tokens (MHA), its host time (call_ms; ~10 s; the profiles go to /tmp).
 PYTHONPATH=.:bench/probes timeout 90 python bench/probes/host_profile.py /tmp/host_speed.json \
   --case mha/page_first/1 --scattered 2>&1 | grep call_ms | sed 's/^/host speed: /' >> "$OUT/gpu_tests.log"
 
 # TESTS: test files (split into words); TESTS_K: a -k expression, kept whole (in TESTS its
-# spaces split it: run 85 ran no test).
+# spaces would split it).
 timeout "${TEST_S:-150}" python -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -p no:warnings ${TESTS:-} \
   ${TESTS_K:+-k "$TESTS_K"} >> "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"

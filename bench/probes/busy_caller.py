@@ -1,34 +1,21 @@
-"""Probe: a backup while the caller's thread stays busy in Python.
+"""Probe: a DMA backup while the caller's thread stays busy in Python.
 
-Run 55 (``backup_pace``, the caller spinning 20 ms after ``backup()``): an MLA page_first p1
-backup took 16 ms longer (0.946x -> 0.658x), an MHA one 20 ms longer (0.967x -> 0.776x): the
-engine's background thread, which queues a backup's chunks after the head, got almost no
-turn while the caller ran Python. A serving engine's scheduler thread is such a caller.
-CPython hands the GIL to a waiting thread only when the holder releases it (any call into
-CUDA or a kernel launch does) or, when it runs pure Python, after ``sys.getswitchinterval()``
-(5 ms); every chunk the thread queues calls into CUDA several times, and each time may wait
-that long to get the GIL back.
+A backup's chunks after its head are queued by the engine's background thread, which needs the
+GIL; CPython hands it over when the holder calls into CUDA or, in pure Python, only every
+``sys.getswitchinterval()`` (5 ms). A serving engine's scheduler thread is such a caller. Each
+arm times a 32k-token MLA and MHA page_first single-token backup on allocator slots from the call
+until the caller sees it complete; between checks every 0.2 ms the caller sleeps (idle), spins
+in Python (busy: not asking, which queues nothing; with a 0.25 ms switch interval; asking
+``done()`` every 0.2 ms or every 5 ms), spins and launches a tiny kernel every 1 ms, or queues
+the whole backup inline (``background_backups=False``).
 
-Here every arm times a backup from the call to its completion as the caller sees it: between
-checks every 0.2 ms the caller sleeps (idle), spins in Python (busy), or spins and launches a
-tiny kernel every 1 ms (busy, launching: closer to an engine's scheduler).
-Run 58 (``probe_busy_caller_h200_run58.json``, the caller checking with ``_finished()``, which
-queues nothing): idle 0.966x (MLA) / 0.975x (MHA); busy 0.047x / 0.039x (2-3 GB/s); busy with
-the switch interval at 1 ms 0.26x / 0.23x, at 0.25 ms 0.94x / 0.87x; busy, launching
-0.20x / 0.16x; queued inline (``background_backups=False``) 0.96x / 0.98x busy or idle, the
-call holding the caller 3.5-5.4 ms (MLA) and 5.6-8.4 ms (MHA).
-So a handle's ``wait``/``synchronize``, and its ``done`` once the engine's thread has queued
-nothing for 1 ms, now queue in the caller's thread whatever that thread has not yet queued
-(:mod:`kvtier.transfer.backlog`). Arms since: the caller
-not asking (as run 58), with a 0.25 ms switch interval, asking ``done()`` every 0.2 ms and
-every 5 ms (a scheduler's step), busy launching and asking every 1 ms, and inline.
-Prediction: asking every 0.2 ms as inline (0.95-0.98x); every 5 ms about 5 ms late at most
-(0.90x or better for MLA's 44 ms); not asking as run 58.
-Run 59 (``probe_busy_caller_h200.json``, with the backlog), MLA / MHA: idle 0.960x / 0.977x;
-busy, not asking 0.047x / 0.043x; busy asking ``done()`` every 0.2 ms 0.968x / 0.979x, every
-5 ms 0.922x / 0.959x; busy launching and asking every 1 ms 0.950x / 0.973x; inline 0.966x /
-0.979x (the call held the caller 3.6-4.9 ms and 9.5-9.8 ms). Predictions met.
-Usage: python bench/probes/busy_caller.py OUT.json [--tokens N]
+Run: ``PYTHONPATH=.:bench/probes python bench/probes/busy_caller.py OUT.json [--tokens N]``.
+Backs: the backlog (``kvtier.transfer.backlog``: ``wait``/``synchronize``, and ``done`` once the
+thread has queued nothing for ``STALL_S`` = 1 ms, queue what is pending in the caller's thread):
+busy and not asking 0.047x (MLA) / 0.043x (MHA); asking ``done()`` every 0.2 ms 0.968x / 0.979x,
+every 5 ms 0.922x / 0.959x; idle 0.960x / 0.977x; inline 0.966x / 0.979x but the call holds the
+caller 3.6-9.8 ms.
+Current answer: ``bench/results/h200/probes.json ("busy_caller")``.
 """
 
 from __future__ import annotations
@@ -69,7 +56,7 @@ def timed_backup(eng, h, d, between, ask_s: float | None = None, switch_s: float
     """(seconds from the call until the caller saw the backup complete, seconds the call took).
     ``ask_s``: the caller calls ``done()`` (which queues what is still pending) at most this
     often; between those, and always when None, it checks with ``_finished()``, which never
-    queues anything (the engine's thread alone queues the backup: run 58's case)."""
+    queues anything (the engine's thread alone queues the backup)."""
     torch.cuda.synchronize()
     state = {"x": torch.zeros(1, device="cuda"), "launched": 0.0}
     with switch_interval(switch_s):

@@ -1,16 +1,18 @@
-"""Probe: how fast each way of moving strided KV rows over PCIe is, on this GPU.
+"""Probe: how fast each way of moving strided KV rows over PCIe runs on this GPU.
 
-Answers the questions behind issue 3's open rows (bench/NOTES_transfer.md):
-1. copy engine, pitched 2-D copies: GB/s by row width and pitch, both ways,
-   on registered 4 KiB-page memory, on transparent-huge-page memory, and on
-   cudaHostAlloc memory;
-2. cudaMemcpyBatchAsync vs one cudaMemcpy2DAsync call per copy: GPU GB/s
-   and CPU microseconds per queued copy;
-3. the zero-copy Triton kernel: GB/s by block count, tile bytes and warps;
-4. kernel and copy engine at once, each on part of the rows;
-5. CPU time to queue a whole per-layer load (engine.load) vs its GPU time.
-Every number is against the contiguous copy measured in the same run.
-Usage: python bench/probes/copy_paths.py OUT.json
+Measures, against the contiguous pinned copy of the same run: pitched 2-D copies by row width
+and pitch (section 1, and the width/pitch pairs grouped page-major loads make); batched 1-D
+copies (``cudaMemcpyBatchAsync``) against one runtime call per copy, GPU GB/s and host us per
+copy (2); the zero-copy Triton kernel by blocks (16-132), tile bytes and warps (3); kernel and
+copy engine each on part of the rows (4); host time to queue a 4k-token per-layer load (5).
+
+Run: ``PYTHONPATH=. python bench/probes/copy_paths.py OUT.json [SECTIONS]`` (SECTIONS: digits,
+default ``12345``; the kept result is sections 2-5 and the page-major pairs).
+Backs: ``KernelConfig.max_blocks`` (32), ``TILE_BYTES``/``NUM_WARPS`` (the kernel's rate does not
+move with blocks, tile or warps), ``TALL_MIN``/``CLOSE_PITCH`` and ``auto.PITCH_ROWS`` (rows 8
+widths apart move at full speed, 32 widths apart at 0.6x), ``DMAConfig.batch_min`` and
+``kernel_below`` (the copy engine's cost per small copy).
+Current answer: ``bench/results/h200/probes.json ("copy_paths")``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from kvtier.layouts import Placement
 from kvtier.memory import _register
 from kvtier.transfer import cudart
 from kvtier.transfer import triton_kernels as tk
-from kvtier.transfer.timing import event_seconds  # warm-up, then the median of reps
+from kvtier.transfer.cuda_common import event_seconds  # warm-up, then the median of reps
 
 MiB = 1 << 20
 PAYLOAD = 128 * MiB

@@ -1,39 +1,20 @@
-"""Probe: are small host -> device copies held behind a DMA load by stream priority?
+"""Probe: do small host -> device copies issued during a DMA load wait for the whole load?
 
-Runs 36-38 (``probe_input_copies_h200*.json``): five 256 KiB pinned copies issued on the caller's
-stream just after a 32k per-layer DMA load landed only with the whole load (79-80 ms), with
-``CUDA_DEVICE_MAX_CONNECTIONS`` 8 or 32, and also with ``load_window=2``, where only two layers'
-copies were queued ahead of them. Yet the reference engine's 32k host hit with pinned inputs
-dropped from 118 to 90 ms with the window. Hypothesis: the copy engine serves the load's
-high-priority side stream (priority -1) before the caller's normal-priority stream as long as
-the former has copies pending; the window keeps it from ever emptying in the probe, while in the
-engine the feeder thread sometimes comes late (the GIL) and leaves gaps.
+An engine copies its step inputs (token ids, positions, slot tables) with pinned
+``non_blocking`` copies while the next request's KV loads. The copy engine serves one stream's
+queue until it runs dry, whatever the stream priorities. Here five 256 KiB pinned copies are
+issued on the caller's stream right after a 32k-token MHA layer_first per-layer DMA load starts,
+or 30 ms into it, with the load drained every K layers (``DMAConfig.load_drain``, K = 0, 1, 2,
+4, 8) three ways: ``on the copy`` (the default: the copy stream waits behind a one-element kernel
+on a third stream queued after the last copy), ``on the copy, no kernel`` (the third stream only
+waits and records) and ``on the scatter`` (the copy stream waits for the last chunk's scatter).
+Logs when the inputs landed and when the load ended, three rounds in turn.
 
-Predictions, if so: with the load's side stream at normal priority (0), pinned inputs land after
-the queued layers with a window of 2 (about 5 ms), and with the whole load queued at once (window
-0) at the load's end; inputs issued on a high-priority stream land early either way.
-Run 39 (``probe_copy_priority_h200.json``): refuted. Priority changed nothing: with windows of 0
-and 2 the inputs landed at 79 ms whichever stream had which priority; with a window of 1 they
-landed at 3.3-3.8 ms, and the load took 93 ms (79 without). What lets them through is the load's
-queue running dry (window 1 leaves a gap between layers while the host queues the next).
-Run 39's arms (windows, priorities) are in this probe as of 841aa73 on the ``load-window`` branch.
-Second part, ``drain`` arms (``DMAConfig.load_drain=K``): the load queued at once, but every K
-layers its copies wait on the device for the layers before to land, so the copy engine's queue
-runs dry for about one scatter (~0.1 ms) with no host in the loop. Inputs issued right after the
-load, or 30 ms into it. Prediction: inputs land within K layers (K x 2.5 ms) of being issued, and
-the load slows by under 0.2 ms per drain (32/K drains).
-Run 40: drains on the scatter. Inputs issued at 7 ms (queueing the load takes the host that long)
-landed at 7.2-7.6 ms with K 1-2, 10.7 with 4, 20.5-21.0 with 8; issued 37-40 ms in, within 0.3-1.3
-ms (K 1-2), 2.4-4.1 (4), 3.1-3.7 (8). The load: 79.5 ms without, 90.0 (K 1), 84.7 (2), 81.6 (4),
-80.6 (8): 0.25-0.34 ms a drain, more than predicted (a 128 MiB scatter). Third part: drains on
-the copy (the side stream waits for a tiny kernel queued on a third stream after the last
-chunk's copy; ``on the copy``). Prediction: the same landing times, and a drain costs under
-0.05 ms. Run 41 (``probe_copy_priority_h200_run41.json``): met. The load took 79.8-80.2 ms with a
-drain every layer and 79.2-79.4 every 4 (none: 79.0-85.3); inputs landed within K layers.
-Run 43 (``probe_copy_priority_h200.json``) adds ``on the copy, no kernel`` (the third stream
-only waits and records): the inputs waited for the whole load (78.6-79.3 ms) at every K, so the
-one-element kernel is what makes the gap. The other arms repeated run 41.
-Usage: python bench/probes/copy_priority.py OUT.json [--tokens N]
+Run: ``PYTHONPATH=.:bench/probes python bench/probes/copy_priority.py OUT.json [--tokens N]``.
+Backs: ``DMAConfig.load_drain`` = 4 (inputs wait 0.4-3.9 ms instead of 40-73 ms; the load takes
+79.1-79.8 ms against 78.8-79.3 undrained; every layer: 79.6-80.8; on the scatter a drain costs
+0.25-0.34 ms) and ``load_drain_bytes`` (what a drain costs the copy engine).
+Current answer: ``bench/results/h200/probes.json ("copy_priority")``.
 """
 
 from __future__ import annotations

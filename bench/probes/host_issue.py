@@ -1,11 +1,19 @@
-"""Probe: is a DMA transfer limited by the host queueing it, by its gather/scatter kernels, or by its groups?
+"""Probe: is a DMA transfer limited by the host queueing it, by its gather/scatter kernels, or by its layer groups?
 
-For a few 32k-token cases (allocator slots), times with the DMA backend under several
-configurations: the host time to queue a backup and a load (engine call, wall clock),
-the device time of each, "both at once" split per stream (when each direction ended),
-loads from page-major layouts with forced layers per copy, and the gather / scatter
-kernels alone on one staging chunk.
-Usage: python bench/probes/host_issue.py OUT.json
+For 32k-token cases on allocator slots (MHA layer_first and page_head, MLA layer_first and
+page_first, DSA layer_first), with the DMA backend under four settings: ``default`` (32 MiB
+staging, gathers on 16 blocks: the baseline), ``blocks48``, ``stg128`` and ``stg128_blocks48``
+(today's ``DMAConfig()``), it times the host's queueing and the device time of a backup, a load
+and both at once (either order), and the gather and scatter kernels alone on one chunk; for the
+page-major layouts, loads with the layers per copy forced (``g4`` ... ``g61``, also with 6
+buffers and 8 MiB staging). Also writes a cProfile of one backup and load to ``OUT_profile.txt``.
+
+Run: ``PYTHONPATH=. python bench/probes/host_issue.py OUT.json``.
+Backs: ``DMAConfig.staging_bytes`` (128 MiB: a 4 GiB MHA backup's host time 22 -> 9 ms),
+``gather_blocks`` (48: DSA loads 38.9 -> 53.2 GB/s, gathers 158 -> 246 GB/s), ``buffers`` (6 gain
+nothing over 3), ``load_group``/``group_target`` (the grouped-load rates, which the CPU tests of the group
+choice read).
+Current answer: ``bench/results/h200/probes.json ("host_issue")``.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from kvtier.transfer.dma import DMABackend, DMAConfig, MiB
 
 out: dict = {}
 PATH = sys.argv[1] if len(sys.argv) > 1 else "/tmp/probe_host_issue.json"
+BASE = dict(staging_bytes=32 * MiB, gather_blocks=16)  # the baseline the defaults are measured against
 
 
 def log(k, v):
@@ -88,7 +97,7 @@ def kernel_alone(eng, case, idx, to_host):
     layers = part.layer_num if to_host else max(1, p.staging.layer_num)
     fn = lambda: copy_items(p.staging, buf, part.device_layers, ptrs, None, d, j0, m, 0, layers, to_host,
                             be.config.gather_blocks)
-    from kvtier.transfer.timing import event_seconds
+    from kvtier.transfer.cuda_common import event_seconds
     s = event_seconds(fn, reps=5)
     return round(m * layers * part.item_bytes / s / 1e9, 1)
 
@@ -127,9 +136,8 @@ def main():
         case = Case(kind, layout, 1, 32768, "cuda", None)
         idx = case.indices(False, rng)
         name = f"{kind}/{layout}"
-        base = DMAConfig()
-        for label, cfg in (("default", base), ("blocks48", DMAConfig(gather_blocks=48)),
-                           ("stg128", DMAConfig(staging_bytes=128 * MiB)),
+        for label, cfg in (("default", DMAConfig(**BASE)), ("blocks48", DMAConfig(**dict(BASE, gather_blocks=48))),
+                           ("stg128", DMAConfig(**dict(BASE, staging_bytes=128 * MiB))),
                            ("stg128_blocks48", DMAConfig(staging_bytes=128 * MiB, gather_blocks=48))):
             eng = engine(case, cfg)
             for direction in ("backup", "load", "both", "both_rev"):
@@ -143,10 +151,10 @@ def main():
             for g in (4, 8, 16, 32, pl.layer_num):
                 if g > pl.layer_num:
                     continue
-                for label, cfg in (("", DMAConfig(load_group=g)),
-                                   ("_blocks48", DMAConfig(load_group=g, gather_blocks=48)),
-                                   ("_buf6", DMAConfig(load_group=g, buffers=6)),
-                                   ("_stg8", DMAConfig(load_group=g, staging_bytes=8 * MiB))):
+                for label, cfg in (("", DMAConfig(**BASE, load_group=g)),
+                                   ("_blocks48", DMAConfig(**dict(BASE, gather_blocks=48), load_group=g)),
+                                   ("_buf6", DMAConfig(**BASE, load_group=g, buffers=6)),
+                                   ("_stg8", DMAConfig(**dict(BASE, staging_bytes=8 * MiB), load_group=g))):
                     log(f"{name}/g{g}{label}/load", timed(engine(case, cfg), case, idx, "load"))
         case.host.close()
         del case

@@ -1,18 +1,16 @@
-"""Probe: where the host's time goes in one DMA transfer call (cProfile), next to the device time.
+"""Probe: where the host's time goes in one DMA transfer call (cProfile), and how long the call takes.
 
-``host_plan.py`` (H200 run 18) found DMA transfers at 0.98-0.998x of the limit when
-``prepare`` ran before the timed span and 0.89-0.97x when it ran inside, a gap of
-1.5-8 ms per transfer, where planning alone takes about 0.5 ms on a 2-core CI
-machine. This profiles ``engine.backup`` / ``engine.load`` and ``prepare`` on their
-own for MHA layer_first page 1 and MLA layer_first page 1 (allocator slots), and
-times the host's stretch from the call to the end of ``prepare``.
-After run 128 (not yet run): ``--case KIND/LAYOUT/PAGE`` (repeatable) and ``--scattered``
-(host slots scattered, as the table's scattered rows) profile other rows: DMA's single-token
-pairs on page_first are host-bound, both ways' host work 87-135 ms on 2 x 32k copies, of which
-the runtime's queueing is ~15 ms a way (0.40-0.48 us a copy, ``probe_queue_cost_h200_16k.json``)
-and planning 13-14 ms a way (``dma_plan_time.py``, CPU): where is the rest? Command:
-``--case mha/page_first/1 --case mla/page_first/1 --scattered``.
-Usage: python bench/probes/host_profile.py OUT.json [--tokens N] [--case KIND/LAYOUT/PAGE ...] [--scattered]
+Per case (default MHA layer_first, MLA layer_first, MLA page_first, single tokens on allocator
+slots; ``--scattered`` for scattered host slots), a DMA engine that queues backups in the
+caller's thread: ``prepare`` timed alone, the whole call timed unprofiled (``call_ms``), and one
+backup and one load profiled (written next to OUT as ``OUT_<case>.txt``).
+
+Run: ``PYTHONPATH=.:bench/probes python bench/probes/host_profile.py OUT.json [--tokens N]
+[--case KIND/LAYOUT/PAGE]... [--scattered]``.
+Backs: the host-speed check of ``bench/run_gpu_all.sh`` (``--case mha/page_first/1 --scattered``):
+one DMA call of 32k scattered single MHA tokens takes the host 21-29 ms on a fast lease machine
+and 44-69 ms on a slow one, and DMA's single-token pairs follow it (docs/performance.md).
+Current answer: the ``host speed:`` line at the top of ``bench/results/h200/gpu_tests.log``.
 """
 
 from __future__ import annotations

@@ -1,40 +1,22 @@
-"""Probe: do host pools backed by huge pages move short rows faster?
+"""Probe: do host pools backed by 2 MiB pages move short rows faster than 4 KiB pages?
 
-Runs 88-90: a layer_first page-64 backup to scattered host pages copies 61 rows of 72 KiB per
-page (MLA); the copies alone ran at 0.94x in run 88 and 0.865-0.875x in runs 89-90, and
-copies straight from the device pool to allocator slots (the same 72 KiB rows) at 0.84-0.86x,
-where staging's whole-layer rows ran at 0.96-0.98x. Host pools are ordinary memory registered
-with CUDA, in 4 KiB pages (run 67: ``AnonHugePages`` 0; transparent huge pages ``madvise``
-there). Each 72 KiB row spans 18 pages that need not lie together physically, so the GPU
-translates (and the link carries) each separately; 2 MiB pages would hold a row whole. And
-how physically contiguous a fresh process's 4 KiB pages happen to be may be what swings the
-scattered rows between processes.
+A layer_first page-64 backup to scattered host pages moves one 72 KiB row per page and layer
+(MLA); in 4 KiB pages each row spans 18 pages the GPU translates separately. Part 1, the copies
+alone, in turn, into a 4.6 GB host buffer laid out as an MLA layer_first page-64 pool: ordinary
+registered memory (4 KiB pages), ``HostBuffer(huge_pages=True)`` (its own mapping advised
+``MADV_HUGEPAGE``, then registered) and ``cudaHostAlloc``; per buffer its share in huge pages and
+the GB/s of one pitched copy per page for 512 random pages, and of one contiguous 1 GiB copy,
+each way. Part 2, the engine, in turn, on MLA, MHA and DSA layer_first page-64 pools made with
+and without huge pages (the same slots): dma and kernel backups and loads to scattered host
+pages, dma on allocator slots, dma backup and load at once. Logs the machine's transparent huge
+page setting and NUMA layout.
 
-Part 1, the copies alone, in turn, into a 4.6 GB host buffer laid out as an MLA layer_first
-page-64 pool (61 layers of 1,024 pages of 72 KiB): ``4 KiB pages`` (registered ordinary memory,
-as the pools are now), ``huge pages`` (``HostBuffer(huge_pages=True)``: its own mapping advised
-``MADV_HUGEPAGE``, then registered), and ``cudaHostAlloc`` (torch's pinned allocator, what the
-contiguous limit uses). Per buffer, its share in huge pages, and GB/s of: one pitched copy
-per page (61 rows of 72 KiB, a layer apart on the host) for 512 pages at random, device to
-host and host to device, and one contiguous 1 GiB copy each way.
-Part 2, the engine, in turn, on MLA, MHA and DSA layer_first page-64 pools made with and
-without ``huge_pages`` (one device pool, the same slots): dma and kernel backups and loads to
-scattered host pages, dma on allocator slots, and dma backup and load at once.
-Predictions: if the pages' translation or scatter bounds short rows, huge pages run the
-pitched copies near the contiguous rate (0.95x or more) and the scattered engine rows gain
-0.03-0.1x; allocator rows (whole-layer rows) change by less than 0.01x. If not, within 0.01x.
-Run 91 (``probe_huge_pages_h200.json``; transparent huge pages ``madvise``, every huge-page
-pool wholly in 2 MiB pages, the others and cudaHostAlloc's in none): half right. The copies
-alone: pitched 72 KiB rows device to host 0.872x (4 KiB pages), 0.895x (huge), 0.903x
-(cudaHostAlloc); host to device 0.945-0.947x in all three; contiguous 0.98-1.00x in all. The
-engine's copies hardly moved (dma backups and loads within -0.02 to +0.014x, allocator rows
-within 0.018x), but the zero-copy kernel gained on every scattered row: MLA backup 0.858x ->
+Run: ``PYTHONPATH=.:bench/probes python bench/probes/huge_pages.py OUT.json [--tokens N]``.
+Backs: host pools in 2 MiB pages by default (``HostBuffer(huge_pages=)``, ``KVTIER_HOST_HUGE_PAGES``,
+``memory.HUGE_PAGE``): the zero-copy kernel gains on every scattered row (MLA backup 0.858x ->
 0.897x, load 0.846x -> 0.890x; MHA 0.897x -> 0.931x, 0.878x -> 0.902x; DSA 0.799x -> 0.833x,
-0.816x -> 0.856x. The kernel's loads and stores reach host memory through the GPU's own page
-translation, and 2 MiB pages take a 4.6-8.6 GB pool in far fewer entries; the copy engine's
-long runs were never short of them. Host pools ask for huge pages by default since
-(``HostBuffer(huge_pages=)``, ``KVTIER_HOST_HUGE_PAGES``).
-Usage: python bench/probes/huge_pages.py OUT.json [--tokens N]
+0.816x -> 0.856x), the copy engines move within -0.02 to +0.014x.
+Current answer: ``bench/results/h200/probes.json ("huge_pages")``.
 """
 
 from __future__ import annotations
@@ -50,7 +32,7 @@ from kvtier.host_pool import host_pool_for
 from kvtier.memory import HostBuffer, huge_page_bytes
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.cudart import memcpy2d
-from kvtier.transfer.timing import event_seconds
+from kvtier.transfer.cuda_common import event_seconds
 from probelib import JsonLog, args, cell, in_turn, read_text, start
 
 PATH, TOKENS = args("/tmp/probe_huge_pages.json")

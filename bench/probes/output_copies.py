@@ -1,40 +1,20 @@
 """Probe: does an engine's small device -> host read wait behind a DMA backup?
 
-Runs 37-43 found that during a 32k DMA load, any host -> device copy another stream queued waited
-for the whole load (80 ms), whatever its stream's priority, until the load's copy queue ran dry
-(``copy_priority.py``); loads now drain every 4 layers (``DMAConfig.load_drain``). A backup copies
-device -> host on the caller's stream, chunk after chunk. An engine reads its sampled tokens with
-``.tolist()`` after every step (a device -> host copy, and the host waits for it), while the KV of
-requests that finished is written back to the host. Prediction: without drains that read returns
-only when the whole backup has landed (about 80 ms for 32k tokens, 4.29 GB); with
-``DMAConfig.backup_drain=K`` within about K staging chunks (128 MiB each, about 2.4 ms); by the
-zero-copy kernel backend at once.
+An engine reads its sampled tokens with ``.tolist()`` after every step (a device -> host copy
+the host waits for) while the KV of finished requests is written back. A DMA backup's copies go
+device -> host chunk after chunk, and the copy engine serves one stream's queue until it runs
+dry. Per arm, a 32k-token layer_first page-64 backup on allocator slots, then ``.tolist()`` of an
+8-element tensor right away or later; host clock from the backup call: when it returned, when the
+read was issued and returned, when the engine's thread had queued everything, when the backup was
+done. Default: MHA, DMA with ``backup_drain`` 0, 1, 2, 4 and the kernel, reads at 0 and 30 ms.
+``--sweep``: MHA (two parts, K then V) and MLA (one part), DMA with no drains and a drain every 4
+chunks, and the kernel, the read issued 0 to 70 ms into the backup.
 
-Per arm: a 32k backup (MHA layer_first page 64, allocator slots) through an engine whose
-background thread queues the chunks (or, "no background thread", queued before backup()
-returns), then, right away or 30 ms later, ``.tolist()`` of an 8-element tensor made on the
-current stream. Host clock from the backup call: when it returned, when the read was issued and
-when it returned, when the engine's thread was free (the whole backup queued), and when the
-backup was done (``synchronize`` after the read).
-
-Runs 44 (``probe_output_copies_h200_run44.json``, code 94bb6e7: drains 0/1/4/8) and 45
-(``..._run45.json``, this code): the prediction was refuted as put. With no drains and every
-chunk queued, the read returned at 40 ms, not 80. Hypothesis: the backup's two parts (K, V) are
-queued one after the other, the second one's first gather waits for the first one's copies (the
-side stream joins the caller's at each part), so the copy queue runs dry between the parts and a
-read waits for the rest of the part in flight: up to half an MHA backup, all of an MLA one. Issued 30 ms in, it returned 8.4-8.9 ms later with no
-drains, 7.1-7.6 with a drain every 4 chunks, 2.1-2.5 every 1 or 2; issued when backup() had
-queued all (4-9 ms in): 33-36 ms later with none, 2-4 with drains every 1, 2 or 4. The kernel
-backend: 0.4-0.5 ms. Backups took 79.0-80.1 ms in every dma arm.
-``--sweep``: the read issued 0 to 70 ms in, MHA and MLA (:func:`sweep`). Prediction (run 46): with
-no drains an MHA read waits until 40 or 80 ms, whichever part it lands in, an MLA read until
-80 ms; with drains every 4 chunks under 10 ms at any delay, for both. Met
-(``probe_output_sweep_h200.json``, median waits): no drains, MHA 28.7, 18.7, 8.4 ms issued 10,
-20, 30 ms in (the K part ends at 39 ms), 37.4, 27.3, 17.3, 7.4 issued 40-70 ms in (the backup
-ends at 79); MLA 31.4, 21.0, 11.0 issued 10-30 ms in (its only part ends at 43). With drains
-every 4 chunks: MHA 6.2-8.2 ms at any delay, MLA 0.3-4.2 (one wait of 8.5); backups took 79.3
-and 43.3 ms, as without. The kernel backend: 0.3-0.5 ms.
-Usage: python bench/probes/output_copies.py OUT.json [--tokens N] [--sweep]
+Run: ``PYTHONPATH=.:bench/probes python bench/probes/output_copies.py OUT.json [--tokens N] [--sweep]``.
+Backs: ``DMAConfig.backup_drain`` = 4 (with ``--sweep``: without drains a read waits for the end
+of the part in flight, up to 37.6 ms for MHA and 31.5 for MLA; with a drain every 4 chunks at
+most 8.5 ms, and the backups take as long, 79.0-80.3 ms for MHA).
+Current answer: ``bench/results/h200/probes.json ("output_copies")`` (the ``--sweep`` run).
 """
 
 from __future__ import annotations

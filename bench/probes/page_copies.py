@@ -1,18 +1,23 @@
-"""Probe: what the DMA backend's remaining shortfalls cost, A/B in one run.
+"""Probe: three choices of the DMA backend and the kernel, each A/B in one process.
 
-1. Ramp: a backup's first chunks smaller (default) or every chunk a full staging
-   buffer (``kvtier.transfer.dma.RAMP_MIN_BYTES = 0``): page-1 allocator backups
-   of MHA, MLA and DSA, at 128 and 256 MiB staging.
-2. Copies of whole pages at scattered host pages (layer_first, page 64; MHA
-   page_first, page 1) and page-1 allocator backups: each run's rows of all layers
-   go as one pitched 2-D copy (default) or as 1-D copies in one batched call
-   (``dma_plan.MAX_PITCH = 0``). Run 14 gave scattered page-64 backups 0.66-0.80x
-   where the same copies loaded at 0.93-0.98x.
-3. The zero-copy kernel's row order (``triton_kernels.ROW_ORDER_BY_LAYOUT``) for
-   backups of page-major layouts at scattered page-1 slots.
-GB/s are payload / device time (median of 3 after a warm-up), with the same run's
-contiguous limit for ratios.
-Usage: python bench/probes/page_copies.py OUT.json [--tokens N]
+1. The ramp: a backup's first chunks small (``RAMP_DIV``, ``RAMP_MIN_BYTES``: the first chunk is
+   staging / 16, at least 4 MiB, doubling up to a full buffer) or every chunk a full staging
+   buffer (``RAMP_MIN_BYTES = 0``): 32k-token single-token backups on allocator slots of MHA, MLA
+   and DSA layer_first, at 128 and 256 MiB staging.
+2. A run's rows of all layers as one pitched 2-D copy (default) or as 1-D copies in one batched
+   call (``MAX_PITCH = 0``): allocator backups, layer_first page 64 and MHA page_first page 1 on
+   scattered slots.
+3. The zero-copy kernel's row numbering (``triton_kernels.ROW_ORDER_BY_LAYOUT``: neighbours in
+   the host layout are neighbours in the grid, or layer by layer): backups of MHA page_head and
+   page_first and MLA page_first to scattered single-token slots.
+
+Run: ``PYTHONPATH=.:bench/probes python bench/probes/page_copies.py OUT.json [--tokens N]``.
+Backs: ``RAMP_DIV``/``RAMP_MIN_BYTES`` (at 128 MiB staging MLA 0.944x against 0.932x without the
+ramp, DSA 0.937x against 0.921x, MHA equal), ``ROW_ORDER_BY_LAYOUT`` = True (MHA page_head 0.898x
+against 0.814x, MLA page_first 0.879x against 0.805x, MHA page_first 0.908x against 0.902x).
+Part 2: pitched and batched calls are within 0.03x of each other on every row but DSA's scattered
+page-64 load (0.665x pitched, 0.917x batched).
+Current answer: ``bench/results/h200/probes.json ("page_copies")``.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-import kvtier.transfer.dma as dma_mod
-import kvtier.transfer.dma_plan as plan_mod
+import kvtier.transfer.dma.backend as dma_mod
+import kvtier.transfer.dma.chunked as chunked_mod
+import kvtier.transfer.dma.issue as issue_mod
+import kvtier.transfer.dma.plan as plan_mod
 from kvtier.bench.transfer import Case, Clock, contiguous_limit
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.dma import DMABackend, DMAConfig, MiB
@@ -96,10 +103,10 @@ def pitched_vs_batched(case, cfg, idx, limits, name, directions):
     for to_host in directions:
         d = "backup" if to_host else "load"
         for how, pitch in (("pitched", (1 << 31) - 1), ("batched", 0)):
-            plan_mod.MAX_PITCH = pitch
+            plan_mod.MAX_PITCH = chunked_mod.MAX_PITCH = issue_mod.MAX_PITCH = pitch
             g = rate(case, cfg, idx, to_host)
             log(f"{name}/{d}/{how}", {"gbps": g, "ratio": round(g / limits[d], 3)})
-        plan_mod.MAX_PITCH = (1 << 31) - 1
+        plan_mod.MAX_PITCH = chunked_mod.MAX_PITCH = issue_mod.MAX_PITCH = (1 << 31) - 1
 
 
 if __name__ == "__main__":

@@ -1,23 +1,19 @@
 """Probe: does the zero-copy kernel move whole pages faster as one row per page?
 
-``KernelConfig.page_rows`` (after run 96): where a layer_first transfer moves whole pages,
-the kernel copies each page's run (page_size x item bytes, contiguous on both sides) as one
-row cut into power-of-two chunks, instead of one row per token. Run 96
-(``probe_kernel_parts_h200.json``): DSA's index-K part alone (132-byte rows, moved in
-4-byte words since 132 is not a multiple of 16) ran at 25 GB/s on backups and 32 on loads,
-while the latent part alone ran at 51.6 and 50.4; side by side on two streams gained only
-0.005-0.025x. As page rows, the index-K part's 8,448-byte page runs move in 16-byte words.
+``KernelConfig.page_rows``: where a layer_first transfer moves whole pages, the kernel copies each
+page's run (page_size x item bytes, contiguous on both sides) as one row cut into power-of-two
+chunks of at most ``page_chunk_bytes``, instead of one row per token. DSA's 132-byte index-K
+rows, not a multiple of 16, otherwise move in 4-byte words; as page rows they are 8,448-byte
+runs in 16-byte words. Here, per kind (DSA, MLA, MHA), layer_first page 64, 32k tokens to
+scattered host pages, in turn: the kernel with token rows, page rows cut at 8 KiB (default),
+1 KiB and uncut; for DSA also the DMA backend (index-K through the kernel) with token and page
+rows, one way and as a backup+load pair.
 
-Here, layer_first page 64, scattered host pages as the transfer table draws them, huge-page
-host pools, in turn per kind: the kernel backend with token rows, and with page rows cut at
-8 KiB (the default), 1 KiB, and not cut; for DSA also the DMA backend (its index-K part goes
-through the kernel beside the copies) with token rows and page rows, backups, loads and
-pairs. GB/s through the engine, as the table times it.
-Predictions: DSA kernel backups 0.846 -> 0.90-0.93x and loads 0.865 -> 0.89-0.91x (the
-index part no longer at half the link's rate); DSA DMA backups gain less (0.01-0.03x: the
-index part runs beside the copies); MLA and MHA within 0.01x either way (their rows already
-move in 16-byte words), and cutting at 1 KiB or not at all within 0.01x of 8 KiB.
-Usage: python bench/probes/page_rows.py OUT.json [--tokens N]
+Run: ``PYTHONPATH=.:bench/probes python bench/probes/page_rows.py OUT.json [--tokens N]``.
+Backs: ``KernelConfig.page_rows`` (DSA kernel backups 0.842x -> 0.922x, loads 0.851x -> 0.880x,
+DMA pairs 1.244x -> 1.402x; MHA and MLA within 0.01x) and ``page_chunk_bytes`` = 8 KiB (1 KiB,
+8 KiB and uncut within 0.01x of each other).
+Current answer: ``bench/results/h200/probes.json ("page_rows")``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""What the probes share: their command line, a JSON log written after every entry, one timed transfer."""
+"""What the probes share: their command line, a JSON log written after every entry, one timed
+transfer, A/B arms timed in turn, and per-chunk pacing of the DMA backend.
+
+Not a probe: the probes import it (``PYTHONPATH=.:bench/probes``).
+"""
 
 from __future__ import annotations
 
@@ -101,10 +105,10 @@ class Pace:
         return out
 
     def wrap(self):
-        """Bracket ``dma._issue`` and ``dma.copy_items`` from now on (in every engine)."""
-        import kvtier.transfer.dma as dma_mod
+        """Bracket the DMA backend's ``issue_copies`` and ``copy_items`` from now on (in every engine)."""
+        import kvtier.transfer.dma.issue as dma_mod
         torch = self._torch
-        real_issue, real_copy = dma_mod._issue, dma_mod.copy_items
+        real_issue, real_copy = dma_mod.issue_copies, dma_mod.copy_items
 
         def issue(tall, flat, host_base, stg_base, to_host, stream, *a, **k):
             run = lambda: real_issue(tall, flat, host_base, stg_base, to_host, stream, *a, **k)  # noqa: E731
@@ -117,7 +121,7 @@ class Pace:
             if self.on is None or a[10] != self.on:
                 return real_copy(*a, **k)
             return self._bracket(torch.cuda.current_stream(), "staging", 0, 0, lambda: real_copy(*a, **k))
-        dma_mod._issue, dma_mod.copy_items = issue, copy
+        dma_mod.issue_copies, dma_mod.copy_items = issue, copy
 
     def transfer(self, eng, h, d, to_host: bool) -> dict:
         """One backup (``to_host``) or per-layer load, paced: its total, the host's wait for the
@@ -162,43 +166,10 @@ def read_text(path: str) -> str | None:
         return None
 
 
-def mha_host_bytes(tokens: int) -> int:
-    """The host pool of an MHA case of the transfer table (llama-3-8b, 128 KiB a token, twice
-    ``tokens`` slots)."""
-    return 2 * tokens * 128 * 1024
 
 
-def mla_pool_and_engine(tokens: int, clock):
-    """An MLA layer_first page-1 case, its allocator slots (seed 1) and a dma engine on it,
-    warmed by one load and one backup-and-load pair: ``(case, idx, engine)``."""
-    import numpy as np
-
-    from kvtier.bench.transfer import Case, measure
-    from kvtier.transfer import TransferEngine
-    case = Case("mla", "layer_first", 1, tokens, "cuda", None)
-    idx = case.indices(False, np.random.default_rng(1))
-    eng = TransferEngine(case.host, "dma")
-    for direction in ("load", "both"):
-        measure(case, eng, direction, idx, clock, 1)
-    return case, idx, eng
 
 
-def six_mha_pools_moved(tokens: int, clock, rng) -> None:
-    """What the transfer table does before its MLA cases: an MHA case per layout and page size
-    (1, 64) made, moved once each way by a dma engine, and closed."""
-    import torch
-
-    from kvtier.bench.transfer import Case, measure
-    from kvtier.transfer import TransferEngine
-    for layout in ("layer_first", "page_first", "page_head"):
-        for ps in (1, 64):
-            c = Case("mha", layout, ps, tokens, "cuda", None)
-            idx = c.indices(False, rng)
-            eng = TransferEngine(c.host, "dma")
-            measure(c, eng, "both", idx, clock, 1)
-            c.host.close()
-            del c, eng
-            torch.cuda.empty_cache()
 
 
 def spread_pool(case, span: int, rng):

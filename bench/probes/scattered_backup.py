@@ -1,91 +1,21 @@
-"""Probe: do layer_first page-64 backups to scattered host pages lose their time in the copies
-themselves, or in the engine around them?
+"""Probe: do layer_first page-64 backups to scattered host pages lose their time in the copies,
+or in the engine around them?
 
-Run 82 (``probe_copy_streams_h200.json``) timed the copies such a backup is made of, alone:
-one pitched copy per page, 61 rows (layers) of 64 KiB to random places in a 1 GiB pinned
-buffer, at 0.897x of the link; 128 KiB rows at 0.946x; batched 1-D copies of 64 KiB at 0.878x.
-The engine's DMA backups of these rows ran at 0.748x (MLA, 72 KiB a page and layer), 0.842x
-(MHA, 128 KiB) and 0.706x (DSA) in run 81, and the kernel at 0.79-0.90x. The hardware was
-said to block them (run 17: 64 KiB copies at 0.55x); run 17 queued 16,384 copies in one
-batched call, the DMA backend queues a chunk's.
+Such a backup is one host row per page and layer (72 KiB for MLA, 128 KiB for MHA's K or V,
+plus DSA's 8.4 KB index-K rows, which go through the kernel). Per kind (MLA, MHA, DSA), 32k
+tokens to scattered host pages as the transfer table draws them, in turn (two warm-ups, three
+rounds): the DMA engine copying straight from the device pool (``DMAConfig.pool_rows``: no
+staging, no gather, no SMs) against staging (``pool_rows=0``), the zero-copy kernel, and the
+engine's planned copies alone, queued ahead on a sleeping stream (``copies, chunk waits``), and
+with a kernel rewriting each staging buffer beside them (``copies, mini engine``); the pool path
+and staging also on allocator slots and as a backup+load pair; both paced chunk by chunk.
 
-Per kind (MHA, MLA, DSA), layer_first, page 64, 32,768 tokens to scattered host pages as the
-transfer table draws them, timed in turn (three rounds after two warm-ups):
-- ``engine``: the dma engine's backup, as the table times it;
-- ``copies``: the same backup's copies alone, as the engine plans them (its slot order, its
-  chunks, pitched and batched calls as ``dma._issue`` queues them), from one staging-sized
-  device buffer, no gathers, queued while the stream sleeps (so the host's queueing is off
-  the clock; GB/s of the bytes they move: DSA's index-K pages go through the kernel and are
-  left out);
-- ``copies, host on the clock``: the same, the stream not held (the host's queueing counts);
-- ``copies, shuffled``: ``copies`` with the pitched calls in a random order (the engine sorts
-  pages by host address);
-and once, the engine's backup paced chunk by chunk (each chunk's copies and gather bracketed
-by events: the copies' own GB/s and the gaps between chunks).
-Predictions: if the copies are the limit, ``copies`` runs as ``engine`` (0.75-0.84x) and below
-run 82's copies in a 1 GiB buffer (the pool spreads pages over 4.6-8.6 GB); if the engine,
-``copies`` runs near 0.9x and the paced chunks show gaps or slow copies beside the gathers.
-Run 83 (``probe_scattered_backup_h200_run83.json``): the engine. Its own copies, queued ahead
-in address order, ran at 0.879x (MLA), 0.921x (MHA), 0.870x (DSA); shuffled, or queued as
-the host issued them, at 0.943-0.964x; the engine at 0.745x, 0.852x, 0.702x. Paced, its chunks
-copied at the address-order rate (MLA 47.2, MHA 50.2 GB/s), 2.3-2.6 ms passed before the first
-copy, and DSA's index-K part (through the kernel) ran 13.5 ms after the last copy, on the
-copies' stream.
-Run 84 (``_run84.json``), with two changes: the engine's backup chunks' pitched copies in a
-shuffled order (``engine``) against address order: 0.859x against 0.879x (MHA), 0.775x against
-0.787x (DSA): shuffling does nothing inside the engine, and was taken back. DSA's index-K part
-beside the copies (``DMAConfig.kernel_aside``) against on their stream: 0.775x against 0.757x,
-kept; paced, the copies ran at 11-13 GB/s while that kernel ran beside them.
-So the engine's copies run slower than the same copies alone (MHA 50.6 GB/s a chunk against
-53.2), and no order explains it. Since run 84 the engine is timed with its staging kernels
-(gathers) on 16 and on 132 SMs, with 512 MiB staging and with no drains, and the paced
-backup logs every gather's span: if the gathers beside the copies slow them, gentler ones
-(16 SMs) cost the copies less, or fewer gathers (512 MiB chunks).
-Run 85 (``_run85.json``): none of them. Engine 0.740x (MLA), 0.840x
-(MHA), 0.738x (DSA); gathers on 16 SMs 0.733/0.823/0.732x, on 132 0.746/0.827/0.746x, 512 MiB
-staging 0.776/0.839/0.721x, no drains 0.720/0.835/0.728x; DSA's kernel parts in line 0.684x.
-A gather (0.27 ms) overlaps a tenth of each chunk's copy (2.7-2.9 ms). The copies alone as in
-run 83. So what slows the engine's copies is still unknown: not the gathers' SMs, the chunk
-size, the drains or the order of a chunk's copies.
-Since run 85 (not yet run) ``copies`` grows toward the engine one trait at a time, all held:
-``chunk waits`` (each chunk's copies wait for an event from a second stream, as for their
-gather), ``3 buffers`` (chunks read three staging buffers in turn, each reused once the
-copies that last read it are done), ``mini engine`` (and a kernel on the second stream
-rewrites each buffer before its copies, as a gather does), and that shuffled; and the
-engine with every chunk queued in the caller's thread (``engine, queued inline``: no
-background thread). Prediction: the first arm that drops from about 0.88-0.92x (``copies``)
-to the engine's rate names what slows the engine; if none does, the cause is outside this
-pipeline (the host's threads, unless ``queued inline`` recovers it; else the gathers' own
-reads of the device pool).
-Run 88 (``_run88.json``): ``mini engine`` seemed to name it. The copies alone
-0.940/0.963/0.944x (MLA, MHA, DSA) with chunk waits, and with three buffers; with a kernel
-rewriting each buffer beside them 0.850/0.907/0.851x, shuffled the same; the engine
-0.816/0.883/0.795x, queued inline the same (not the host's threads). Paced, a gather overlaps the first 0.17-0.27 ms of
-each chunk's 2.6-2.9 ms copy. Page_first page-64 scattered backups, whose copies are 4.5 MB,
-meet 0.9x through the same gathers: short rows suffer, long ones do not.
-Since run 88 the engine copies such backups straight from the device pool
-(``DMAConfig.pool_rows``, :class:`~kvtier.transfer.dma_plan.PoolPlan`: no staging, no
-gather): arms ``engine, from the pool`` against ``engine, staged`` (``pool_rows=0``) and
-the kernel, on scattered host pages and on allocator slots, and the pool path paced.
-Predictions: from the pool near the copies alone (MHA 0.93-0.95x, MLA 0.90-0.93x; DSA lower,
-its index-K part through the kernel beside them), the first copy sooner (no gather before
-it); on allocator slots within 0.01x of staged.
-Run 89 (``_run89.json``): wrong. In turn, from the pool against staged:
-0.842/0.807x (MLA), 0.885/0.882x (MHA), 0.734/0.768x (DSA); the kernel 0.872/0.903/0.792x.
-On allocator slots 0.844/0.964x, 0.890/0.981x, 0.848/0.975x: a page-long row on the host
-side costs the copies more than any gather did, staging or not. The copies alone (chunk
-waits) came out at 0.865/0.920/0.874x, not run 88's 0.940/0.963/0.944x, and the kernel
-beside them (``mini engine``) cost them 0.010-0.015x, not 0.06-0.09x: so what sets the
-copies' rate is the host rows' length (and the process), not the gather. The pool path
-stays, off by default (``pool_rows=0``), for engines that want backups on no SMs.
-Since run 89: the pool path's backup and a load at once (``both``) against staged, and the
-backups again, in a second process.
-Run 90 (``probe_scattered_backup_h200.json``): as run 89. From the pool against staged
-0.848/0.816x (MLA), 0.888/0.890x (MHA), 0.773/0.799x (DSA); allocator slots 0.857/0.972x,
-0.892/0.988x, 0.857/0.984x; with a load at once 1.447/1.418x, 1.549/1.548x, 1.216/1.269x. The
-copies alone 0.875/0.926/0.882x, beside a kernel 0.861/0.917/0.867x. Paced, the pool path's
-first copy 1.5-2.6 ms after the call against 2.0-2.9 staged.
-Usage: python bench/probes/scattered_backup.py OUT.json [--tokens N]
+Run: ``PYTHONPATH=.:bench/probes python bench/probes/scattered_backup.py OUT.json [--tokens N]``.
+Backs: ``DMAConfig.pool_rows`` = 0 (from the pool 0.848x / 0.888x / 0.773x against staged 0.816x /
+0.890x / 0.799x on scattered pages, MLA / MHA / DSA, and 0.857-0.892x against 0.972-0.988x on
+allocator slots), and the finding that short host rows, not the engine, hold these rows below
+0.9x by DMA: the planned copies alone run at 0.875x / 0.926x / 0.882x.
+Current answer: ``bench/results/h200/probes.json ("scattered_backup")``.
 """
 
 from __future__ import annotations
@@ -93,11 +23,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import kvtier.transfer.dma as dma_mod
 from kvtier.bench.transfer import Case, measure
 from kvtier.transfer import TransferEngine, streams
-from kvtier.transfer.dma import DMABackend, DMAConfig
-from kvtier.transfer.dma_plan import Runs
+from kvtier.transfer.dma import DMABackend, DMAConfig, issue_copies
+from kvtier.transfer.slots import Runs
 from probelib import JsonLog, Pace, args, cell, in_turn, start
 
 PATH, TOKENS = args("/tmp/probe_scattered_backup.json")
@@ -155,7 +84,7 @@ def copies_alone(calls, bufs: list[torch.Tensor], nbytes: int, held: bool, shuff
             s.wait_event(ready)
         if shuffle is not None and len(tall):
             tall = tall[shuffle.permutation(len(tall))]
-        dma_mod._issue(tall, flat, base, buf.data_ptr(), True, s.cuda_stream)
+        issue_copies(tall, flat, base, buf.data_ptr(), True, s.cuda_stream)
         if side is not None:
             free[k % len(bufs)] = torch.cuda.Event()
             free[k % len(bufs)].record(s)
@@ -184,7 +113,6 @@ def main() -> None:
                  "pitched width": sorted({int(w) for t in tall for w in t[:, 2]})[:4],
                  "pitched rows": sorted({int(r) for t in tall for r in t[:, 3]})[:4]}
         log(f"{kind}/plan", shape)
-        # Runs 83-88's arms that named nothing new are not timed again (the docstring has them).
         eng = TransferEngine(case.host, DMABackend(DMAConfig(pool_rows=64 << 10)))
         staged = TransferEngine(case.host, DMABackend(DMAConfig(pool_rows=0)))
         kernel = TransferEngine(case.host, "kernel")
