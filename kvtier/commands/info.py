@@ -11,8 +11,7 @@ import torch
 from ..layouts import LAYOUTS, SUPPORTED
 from ..memory import GB, LIMIT_ENV, check_host_memory, host_memory, huge_pages_default, huge_pages_note, thp_mode
 from ..spec import KVSpec
-from . import FINITE_NONNEGATIVE, OUTPUT_PATH
-from .shape import shape_options
+from . import FINITE_NONNEGATIVE, OUTPUT_PATH, shape_options
 
 
 def layout_rows(spec: KVSpec, page_size: int) -> list[dict]:

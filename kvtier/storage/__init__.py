@@ -1,0 +1,111 @@
+"""The storage (L3) interface: what every backend keeps, and the contract it keeps.
+
+A backend stores opaque, self-describing *page blobs* (a header and a payload,
+:mod:`kvtier.storage.format`) under 16-byte keys, in batches. It never interprets
+a blob: the storage tier encodes pages before a ``put`` and verifies every blob
+after a ``get`` before any byte reaches a host page, so a backend that loses,
+truncates, reorders or mixes up values can only cause misses, never wrong bytes.
+
+Backends are synchronous and batched; the storage tier calls them from its own
+bounded thread pool, so a slow or dead store slows only its own hits. Expected
+outcomes are return values (a missing key, a full store, a failed put); a
+backend raises :class:`StorageError` only where the whole batch failed (the
+store unreachable), which the tier counts and answers by skipping the store
+until a health check passes.
+
+Backends are found by name (:func:`backend_class`): the built-in ones, or
+``"package.module:ClassName"`` for a third-party backend. Each has a frozen,
+typed config class (``config_class``), checked at construction.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Sequence
+
+KEY_BYTES = 16
+
+
+class StorageError(RuntimeError):
+    """A whole batch failed: the store is unreachable or refused the request."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a backend holds: ``used_bytes`` of ``capacity_bytes`` (None: unbounded or
+    unknown), in ``pages`` blobs."""
+
+    used_bytes: int
+    capacity_bytes: int | None
+    pages: int
+
+
+class StorageBackend:
+    """A key -> blob store, in batches. Subclasses set ``name`` and ``config_class`` and
+    implement the five calls below. Thread-safe: the tier may call from several threads.
+
+    Keys are ``bytes`` of :data:`KEY_BYTES`. A blob is a ``bytes``-like object (``bytes``,
+    ``memoryview``, a 1-D uint8 numpy array) of at most a few MiB.
+    """
+
+    name = ""
+    config_class: type = object
+
+    def exists(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are present: the length of the longest present
+        prefix of a key chain (0 if the first is missing). May stop at the first miss."""
+        raise NotImplementedError
+
+    def put(self, keys: Sequence[bytes], blobs: Sequence) -> list[bool]:
+        """Store each blob under its key (overwriting). Per key: True once it is stored and a
+        later ``get`` may return it; False where it was not (the store full, a failed write):
+        a failed put leaves no key behind, and never a partial blob under the key."""
+        raise NotImplementedError
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
+        """Read each key's blob into its buffer (a writable memoryview of at least the blob's
+        size). Per key: the blob's length, or -1 where it is missing or did not fit. A key
+        deleted or evicted between ``exists`` and ``get_into`` is -1, never garbage; bytes past
+        the returned length are unspecified."""
+        raise NotImplementedError
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Remove these keys where present (absent keys are ignored)."""
+        raise NotImplementedError
+
+    def usage(self) -> Usage:
+        raise NotImplementedError
+
+    def healthy(self) -> bool:
+        """A cheap check that the store answers (after a :class:`StorageError`, the tier calls
+        this before using the store again)."""
+        return True
+
+    def close(self) -> None:
+        """Release connections, threads and files; the backend is not used after."""
+
+
+_BUILTIN = {
+    "file": "kvtier.storage.file:FileBackend",
+    "valkey": "kvtier.storage.valkey:ValkeyBackend",
+    "mooncake": "kvtier.storage.mooncake:MooncakeBackend",
+}
+
+
+def backend_class(name: str) -> type[StorageBackend]:
+    """The backend class for ``name``: a built-in (``file``, ``valkey``, ``mooncake``) or a
+    ``"module:ClassName"`` path. ``ValueError`` naming the choices for anything else."""
+    path = _BUILTIN.get(name, name)
+    module, sep, cls = path.partition(":")
+    if not sep or not module or not cls:
+        raise ValueError(f"unknown storage backend {name!r}; use one of {sorted(_BUILTIN)} or "
+                         "'package.module:ClassName' for a third-party backend")
+    try:
+        found = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"storage backend {name!r} cannot be loaded ({e}); for {module!r}, install its extra "
+                         f"(e.g. pip install 'kvtier[{name}]') or check the module path") from e
+    if not (isinstance(found, type) and issubclass(found, StorageBackend)):
+        raise ValueError(f"storage backend {name!r} is {found!r}, not a kvtier.storage.StorageBackend subclass")
+    return found
