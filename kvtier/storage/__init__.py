@@ -60,7 +60,8 @@ class StorageBackend:
     def put(self, keys: Sequence[bytes], blobs: Sequence) -> list[bool]:
         """Store each blob under its key (overwriting). Per key: True once it is stored and a
         later ``get`` may return it; False where it was not (the store full, a failed write):
-        a failed put leaves no key behind, and never a partial blob under the key."""
+        a failed put leaves no key behind (a key held before holds its earlier blob whole, or
+        nothing), and never a partial blob under the key."""
         raise NotImplementedError
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
@@ -84,6 +85,38 @@ class StorageBackend:
 
     def close(self) -> None:
         """Release connections, threads and files; the backend is not used after."""
+
+    # -- for ``kvtier bench storage`` (optional) ------------------------------------------------
+
+    @classmethod
+    def bench_config(cls, workdir: str, capacity_bytes: int):
+        """A config to benchmark this backend with: its files (if any) under ``workdir``, room for
+        ``capacity_bytes``. ``ValueError`` saying what is missing where it cannot run here (no
+        server configured)."""
+        raise ValueError(f"backend {cls.name!r} has no bench_config: it cannot be benchmarked by kvtier bench storage")
+
+    @classmethod
+    def raw_baseline(cls, config) -> "RawIO":
+        """The same store driven without kvtier (plain file IO, the bare client), for the bench's
+        ratio: a :class:`RawIO` over what ``config`` names. ``NotImplementedError``: none."""
+        raise NotImplementedError
+
+
+class RawIO:
+    """A backend's store driven without kvtier, for the same bytes and keys as the backend: what
+    the bench divides by. Same batching, same concurrency as the backend's config allows."""
+
+    def put(self, keys: Sequence[bytes], blobs: Sequence) -> None:
+        raise NotImplementedError
+
+    def get(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> None:
+        raise NotImplementedError
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what it holds."""
 
 
 _BUILTIN = {

@@ -1,0 +1,299 @@
+"""``kvtier bench storage``: a store's put and get GB/s through kvtier, against the same store
+driven without kvtier (the backend's :meth:`~kvtier.storage.StorageBackend.raw_baseline`: for
+files, plain open/write/read of the same bytes in the same directory), in the same run.
+
+Ops, each timed over the same pages and divided by the raw store's put or get:
+
+- ``put``: seal each page (its header; the checksum comes from the copy that encoded it, see
+  ``encode``) and store it, in the tier's batches;
+- ``get``: read each page back and verify it (header, key, salt, checksum);
+- ``save`` / ``prefetch``: the whole tier, from host pages to the store and back into host pages
+  (``StorageTier.save`` + ``flush``, ``StorageTier.prefetch`` + ``wait``): the gather and scatter
+  of the canonical page order included;
+- ``encode``: the copy out of a host pool with the xxh3-64 checksum fused into it (what ``save``
+  does), against the same copy without it; ``checksum``: xxh3-64 reading the blobs again, against
+  a plain copy of them (``crc32``: zlib's, for scale).
+
+Raw and kvtier alternate within each repeat (the order flipped every repeat), and both start
+from a directory without the pages; ``--cold`` also writes the page cache back and drops it
+(fdatasync + POSIX_FADV_DONTNEED on every file) before each read, for both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+import zlib
+
+import click
+import numpy as np
+import xxhash
+from tqdm import tqdm
+
+from ..commands import FIGURE_PATH, OUTPUT_PATH, distinct_outputs
+from ..spec import PRESETS, preset
+from ..storage import backend_class
+from ..storage.format import HEADER_BYTES, PageCodec, StorageSalt, read_header, store_key
+from ..storage.tier import StorageTier, TierConfig
+
+OPS = ("put", "get", "save", "prefetch")
+
+
+class Case:
+    """One backend and page size: the pages, the store, its raw twin, and a host pool for the tier."""
+
+    def __init__(self, backend_name: str, workdir: str, model: str, page_size: int, pages: int, seed: int):
+        spec = preset(model)
+        self.salt = StorageSalt(spec, page_size, f"kvtier-bench/{model}")
+        self.codec = PageCodec(self.salt)
+        self.pages = pages
+        self.chain = [seed.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(pages)]
+        self.keys = [store_key(self.salt.fingerprint, c) for c in self.chain]
+        rng = np.random.default_rng(seed)
+        self.blobs = [rng.integers(0, 256, self.codec.blob_bytes, dtype=np.uint8) for _ in range(pages)]
+        for key, blob in zip(self.keys, self.blobs):
+            self.codec.seal(blob, key)
+        self.sums = [read_header(b).checksum for b in self.blobs]   # as save() has them from its copy
+        self.buffers = [np.empty(self.codec.blob_bytes, np.uint8) for _ in range(pages)]
+        cls = backend_class(backend_name)
+        self.config = cls.bench_config(workdir, 2 * pages * self.codec.blob_bytes)
+        try:
+            self.raw = cls.raw_baseline(self.config)
+        except NotImplementedError:
+            raise ValueError(f"backend {backend_name!r} has no raw_baseline to compare with; give it one "
+                             "(kvtier.storage.StorageBackend.raw_baseline)") from None
+        self.backend = cls(self.config)
+        self.tier_config = TierConfig(max_pending_bytes=(pages + 1) * self.codec.blob_bytes)
+        self.workdir = workdir
+        self._host = None
+        self._tier: StorageTier | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages * self.codec.blob_bytes
+
+    def host(self):
+        """A host pool holding the pages (built on first use), and its slots."""
+        if self._host is None:
+            from ..device_pool import pool_from_spec
+            from ..host_pool import host_pool_for
+            spec, ps = self.salt.spec, self.salt.page_size
+            dev = pool_from_spec(spec, ps, ps)
+            pool = host_pool_for(dev, "layer_first", host_size_tokens=2 * self.pages * ps)
+            slots = pool.alloc(self.pages * ps)
+            self.codec.scatter(pool, (slots[::ps] // ps).numpy(), [b[HEADER_BYTES:] for b in self.blobs])
+            self._host = (pool, slots, pool.alloc(self.pages * ps))
+        return self._host
+
+    @property
+    def tier(self) -> StorageTier:
+        if self._tier is None:
+            self._tier = StorageTier(self.backend, self.salt, self.tier_config)
+        return self._tier
+
+    def close(self) -> None:
+        (self._tier or self.backend).close()
+        self.raw.close()
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _drop_page_cache(root: str) -> None:
+    """Write every file under ``root`` back and drop it from the page cache."""
+    for path, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(path, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _batches(case: Case):
+    step = case.tier_config.batch_pages
+    return [slice(i, i + step) for i in range(0, case.pages, step)]
+
+
+def kvtier_put(case: Case) -> None:
+    for s in _batches(case):
+        for key, blob, checksum in zip(case.keys[s], case.blobs[s], case.sums[s]):
+            case.codec.seal(blob, key, None, checksum)
+        if not all(case.backend.put(case.keys[s], case.blobs[s])):
+            raise click.ClickException(f"the {case.backend.name} store refused a page; check its space and --dir")
+
+
+def kvtier_get(case: Case) -> None:
+    for s in _batches(case):
+        lengths = case.backend.get_into(case.keys[s], [memoryview(b) for b in case.buffers[s]])
+        for key, buf, n in zip(case.keys[s], case.buffers[s], lengths):
+            case.codec.verify(buf, n, key)
+
+
+def tier_save(case: Case) -> None:
+    pool, slots, _ = case.host()
+    if case.tier.save(case.chain, None, pool, slots) != case.pages or not case.tier.flush(600):
+        raise click.ClickException("the tier dropped pages of the save; check --pages against memory")
+
+
+def tier_prefetch(case: Case) -> None:
+    pool, _, into = case.host()
+    handle = case.tier.prefetch(case.chain, pool, into)
+    if handle.wait(timeout=600) != case.pages:
+        raise click.ClickException(f"prefetch loaded {handle.ready_pages()} of {case.pages} pages: {handle.outcome}")
+
+
+def one_repeat(case: Case, cold: bool, flip: bool, with_tier: bool) -> dict[str, tuple[float, float]]:
+    """Seconds of each op and of the raw put or get it is compared with."""
+    raw, out = {}, {}
+
+    def raw_side():
+        case.raw.delete(case.keys)
+        raw["put"] = _seconds(lambda: case.raw.put(case.keys, case.blobs))
+        if cold:
+            _drop_page_cache(case.workdir)
+        raw["get"] = _seconds(lambda: case.raw.get(case.keys, [memoryview(b) for b in case.buffers]))
+
+    def kvtier_side():
+        case.backend.delete(case.keys)
+        out["put"] = _seconds(lambda: kvtier_put(case))
+        if cold:
+            _drop_page_cache(case.workdir)
+        out["get"] = _seconds(lambda: kvtier_get(case))
+        if with_tier:
+            case.backend.delete(case.keys)
+            out["save"] = _seconds(lambda: tier_save(case))
+            if cold:
+                _drop_page_cache(case.workdir)
+            out["prefetch"] = _seconds(lambda: tier_prefetch(case))
+
+    for side in ((kvtier_side, raw_side) if flip else (raw_side, kvtier_side)):
+        side()
+    base = {"put": raw["put"], "get": raw["get"], "save": raw["put"], "prefetch": raw["get"]}
+    return {op: (out[op], base[op]) for op in out}
+
+
+def checksum_rows(case: Case, repeats: int) -> list[dict]:
+    """The checksum against a plain copy of the same bytes: ``encode``, the copy out of a host pool
+    with the checksum fused into it (what save() does) against the copy alone; ``checksum``, xxh3-64
+    reading the pages again; ``crc32``, zlib's, for scale (GB/s, medians)."""
+    pool, slots, _ = case.host()
+    pages = (slots[:: case.salt.page_size] // case.salt.page_size).numpy()
+    rows = [b[HEADER_BYTES:] for b in case.buffers]
+    dst = np.empty(case.codec.blob_bytes, np.uint8)
+    timed = {"copy": lambda: [np.copyto(dst, b) for b in case.blobs],
+             "checksum": lambda: [xxhash.xxh3_64_intdigest(b) for b in case.blobs],
+             "crc32": lambda: [zlib.crc32(b) for b in case.blobs],
+             "gather": lambda: case.codec.gather(pool, pages, rows, checksum=False),
+             "encode": lambda: case.codec.gather(pool, pages, rows)}
+    samples = [{name: _seconds(f) for name, f in timed.items()} for _ in range(repeats)]
+    base = {"encode": "gather", "checksum": "copy", "crc32": "copy"}
+    pairs = [{op: (s[op], s[b]) for op, b in base.items()} for s in samples]
+    return [_row("cpu", op, case, pairs, op, False) for op in base]
+
+
+def _row(backend: str, op: str, case: Case, samples: list[dict], key: str, cold: bool) -> dict:
+    """GB/s medians of each side, and the median of the ratios of samples taken back to back (a
+    machine whose speed drifts between repeats moves both sides of each ratio)."""
+    gb = case.nbytes / 1e9
+    return {"backend": backend, "op": op, "page_bytes": case.codec.blob_bytes, "pages": case.pages,
+            "gbps": round(statistics.median(gb / s[key][0] for s in samples), 3),
+            "raw_gbps": round(statistics.median(gb / s[key][1] for s in samples), 3),
+            "ratio": round(statistics.median(s[key][1] / s[key][0] for s in samples), 3), "cold": cold}
+
+
+def run(backends, workdir: str, model: str, page_sizes, pages: int, repeats: int, cold: bool, with_tier: bool,
+        progress: bool = True) -> list[dict]:
+    rows = []
+    bar = tqdm(total=len(backends) * len(page_sizes) * (repeats + 1), desc="bench storage", disable=not progress)
+    for name in backends:
+        for ps in page_sizes:
+            with tempfile.TemporaryDirectory(prefix=f"kvtier-bench-{name}-", dir=workdir) as d:
+                case = Case(name, d, model, ps, pages, seed=ps)
+                try:
+                    one_repeat(case, cold, False, with_tier)  # warm-up: allocators, threads, directories
+                    bar.update()
+                    samples = []
+                    for r in range(repeats):
+                        samples.append(one_repeat(case, cold, r % 2 == 1, with_tier))
+                        bar.update()
+                    for op in samples[0]:
+                        rows.append(_row(name, op, case, samples, op, cold))
+                    if name == backends[0]:
+                        rows.extend(checksum_rows(case, repeats))
+                finally:
+                    case.close()
+    bar.close()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'backend':<10}{'op':<10}{'page':>10}{'pages':>7}{'GB/s':>9}{'raw GB/s':>10}{'ratio':>8}"]
+    for r in rows:
+        lines.append(f"{r['backend']:<10}{r['op']:<10}{r['page_bytes'] / 2**20:>7.2f}MiB{r['pages']:>7}"
+                     f"{r['gbps']:>9.2f}{r['raw_gbps']:>10.2f}{r['ratio']:>7.2f}x")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r["op"] in OPS]
+    labels = [f"{r['backend']} {r['op']}\n{r['page_bytes'] / 2**20:.0f} MiB" for r in shown]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.15 * len(shown)), 4))
+    ax.bar(labels, [r["ratio"] for r in shown], color=["tab:blue" if r["op"] in ("put", "save") else "tab:orange"
+                                                        for r in shown])
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(0.9, color="gray", lw=0.8, ls="--")
+    ax.set_ylabel("GB/s through kvtier / raw store GB/s")
+    ax.set_title("kvtier bench storage (checksum on)" + (" cold cache" if shown and shown[0]["cold"] else ""))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+@click.command()
+@click.option("--backend", "backends", multiple=True, default=("file",), show_default=True,
+              help="Backend name or 'module:Class' (repeatable).")
+@click.option("--dir", "workdir", type=click.Path(file_okay=False, writable=True), default=None,
+              help="Where file stores go (default: the system's temporary directory).")
+@click.option("--model", type=click.Choice(sorted(PRESETS)), default="llama-3-8b", show_default=True)
+@click.option("--page-size", "page_sizes", type=click.IntRange(min=1), multiple=True, default=(32, 64),
+              show_default=True, help="Tokens a page (repeatable); llama-3-8b: 32 -> 4 MiB, 64 -> 8 MiB.")
+@click.option("--pages", type=click.IntRange(min=1), default=32, show_default=True, help="Pages per op.")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Samples (median taken).")
+@click.option("--cold", is_flag=True, help="Drop the page cache before every read (both sides).")
+@click.option("--no-tier", is_flag=True, help="Skip the save/prefetch rows (host pool <-> store).")
+@click.option("--json", "json_path", type=OUTPUT_PATH, default=None, help="Write rows as JSON.")
+@click.option("--plot", "plot_path", type=FIGURE_PATH, default=None, help="Write a bar chart of the ratios.")
+def storage(backends, workdir, model, page_sizes, pages, repeats, cold, no_tier, json_path, plot_path) -> None:
+    """Put and get GB/s of a store through kvtier (checksum on) against the raw store, same run."""
+    distinct_outputs(json=json_path, plot=plot_path)
+    for name in backends:
+        try:
+            backend_class(name)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--backend") from None
+    if workdir is not None and not os.path.isdir(workdir):
+        raise click.BadParameter(f"{workdir!r} is not a directory; create it or leave --dir out", param_hint="--dir")
+    try:
+        rows = run(list(backends), workdir, model, list(page_sizes), pages, repeats, cold, not no_tier)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(table(rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=2)
+        click.echo(f"wrote {json_path}")
+    if plot_path:
+        plot(rows, plot_path)
+        click.echo(f"wrote {plot_path}")
