@@ -122,12 +122,13 @@ class RawIO:
 _BUILTIN = {
     "file": "kvtier.storage.file:FileBackend",
     "valkey": "kvtier.storage.valkey:ValkeyBackend",
+    "valkey-cluster": "kvtier.storage.valkey:ValkeyClusterBackend",
     "mooncake": "kvtier.storage.mooncake:MooncakeBackend",
 }
 
 
 def backend_class(name: str) -> type[StorageBackend]:
-    """The backend class for ``name``: a built-in (``file``, ``valkey``, ``mooncake``) or a
+    """The backend class for ``name``: a built-in (``file``, ``valkey``, ``valkey-cluster``, ``mooncake``) or a
     ``"module:ClassName"`` path. ``ValueError`` naming the choices for anything else."""
     path = _BUILTIN.get(name, name)
     module, sep, cls = path.partition(":")
