@@ -13,7 +13,14 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from .validate import is_int, is_int_dtype, require_positive_int
+from .memory import check_host_memory
+from .validate import InvariantError, is_int, is_int_dtype, require_positive_int, require_readable
+
+
+# Above this many pages, the allocator's own memory (a flag per page, and the page ids an alloc
+# returns) is checked against the host's before it is allocated.
+_CHECKED_PAGES = 1 << 24
+_BYTES_PER_PAGE = 9
 
 
 class AllocatorError(ValueError):
@@ -80,6 +87,24 @@ class _FreeRuns:
                 break
         return taken
 
+    def check(self, allocated: np.ndarray, n_free: int) -> None:
+        """The runs against the allocated flags (:meth:`PageAllocator.check`)."""
+        end, covered = -1, 0
+        for start, length in sorted(self.by_start.items()):
+            where = f"free run {start}..{start + length - 1}"
+            if length <= 0 or start < 0 or start + length > len(allocated):
+                raise InvariantError(f"{where} lies outside pages 0..{len(allocated) - 1}")
+            if start <= end:
+                raise InvariantError(f"{where} {'overlaps' if start < end else 'was not merged with'} the run before it")
+            if self.by_end.get(start + length) != start or start not in self.buckets[length.bit_length()]:
+                raise InvariantError(f"{where} is not indexed by its end or its length")
+            if allocated[start:start + length].any():
+                raise InvariantError(f"{where} holds an allocated page")
+            end, covered = start + length, covered + length
+        if covered != n_free or len(self.by_end) != len(self.by_start) \
+                or sum(map(len, self.buckets)) != len(self.by_start):
+            raise InvariantError(f"the free runs cover {covered} pages, {n_free} are free (or a stale index entry)")
+
     def _split(self, start: int, n: int) -> tuple[int, int]:
         length = self._remove(start)
         if length > n:
@@ -100,10 +125,14 @@ class PageAllocator:
 
     def __init__(self, size: int, page_size: int):
         require_positive_int("page_size", page_size)
-        if not isinstance(size, int) or size < page_size:
+        if not is_int(size) or size < page_size:
             raise ValueError(
                 f"size must be an integer of at least one page ({page_size} tokens), got {size!r}"
             )
+        size, page_size = int(size), int(page_size)
+        if size // page_size > _CHECKED_PAGES:  # its flags and runs, before numpy is asked for them
+            check_host_memory(size // page_size * _BYTES_PER_PAGE, 0, f"PageAllocator(size={size:,}, "
+                              f"page_size={page_size})", "Lower size, or raise page_size.")
         self.page_size = page_size
         self.num_pages = size // page_size
         self.size = self.num_pages * page_size
@@ -133,6 +162,22 @@ class PageAllocator:
     def free_runs(self) -> int:
         """How many separate runs the free space is split into (1 = unfragmented)."""
         return len(self._runs.by_start)
+
+    def allocated_mask(self) -> np.ndarray:
+        """Per page, whether it is allocated (a copy; for checks, not the hot path)."""
+        with self._lock:
+            return self._allocated.copy()
+
+    def check(self) -> None:
+        """Verify the bookkeeping; raise :class:`~kvtier.validate.InvariantError` naming the first
+        thing broken: the free count, the pages not allocated, and the free runs (in range,
+        disjoint, merged, indexed by both ends and by length) must all agree. O(pages)."""
+        with self._lock:
+            not_allocated = int(np.count_nonzero(~self._allocated))
+            if self._free_pages != not_allocated:
+                raise InvariantError(f"the allocator counts {self._free_pages} free pages but {not_allocated} "
+                                     "are not allocated")
+            self._runs.check(self._allocated, not_allocated)
 
     # -- pages -----------------------------------------------------------
 
@@ -268,6 +313,7 @@ _SMALL_PAGES = 8
 
 def _is_flat(values) -> bool:
     if isinstance(values, torch.Tensor):
+        require_readable("indices", values)
         return values.dim() == 1 and is_int_dtype(values.dtype)
     if isinstance(values, np.ndarray):
         return values.ndim == 1 and np.issubdtype(values.dtype, np.integer)
@@ -305,6 +351,7 @@ def _as_int_array(values, name: str) -> np.ndarray:
     if isinstance(values, torch.Tensor):
         if not is_int_dtype(values.dtype):
             raise AllocatorError(f"{name} must be an integer tensor, got dtype {values.dtype}")
+        require_readable(name, values)
         values = values.detach().to("cpu", torch.int64).numpy()
     arr = np.asarray(values)
     if arr.size == 0:

@@ -10,14 +10,13 @@ that every mode generated exactly the same tokens, and writes JSON and a plot.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import asdict
 
 import click
 
-from .commands import FIGURE_PATH, OUTPUT_PATH, distinct_outputs
+from .commands import FIGURE_PATH, JSON_HELP, JSON_PATH, distinct_outputs, echo_for, write_json
 
 ALL_MODES = ("none", "gpu", "tiers")
 
@@ -201,9 +200,11 @@ def compare_outputs(outputs: dict) -> tuple[bool, str]:
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
 @click.option("--modes", default=",".join(ALL_MODES), show_default=True, help="comma-separated subset of none,gpu,tiers")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
-@click.option("--json", "json_path", type=OUTPUT_PATH, default=None, help="write results as JSON")
+@click.option("--json", "json_path", type=JSON_PATH, default=None, help=JSON_HELP)
 @click.option("--plot", "plot_path", type=FIGURE_PATH, default="kvtier-demo-ttft.png",
               show_default=True, help="figure of TTFT by round per mode: .png, .svg or .pdf ('' for none)")
+@click.option("--engine", type=click.Choice(["kvtier", "vllm"]), default="kvtier", show_default=True,
+              help="kvtier: its reference engine; vllm: stock vLLM's offline LLM, kvtier's offloading spec in tiers")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def demo(**o) -> None:
     """Serve a multi-turn chat workload three ways and compare (CPU, 1-2 minutes)."""
@@ -218,31 +219,37 @@ def demo(**o) -> None:
                                  f"no mode given; use a subset of {','.join(ALL_MODES)}", param_hint="--modes")
     distinct_outputs(json=o["json_path"], plot=o["plot_path"])
     _refuse_flags_that_do_not_apply(o)
+    if o["engine"] == "vllm":  # vLLM's block and head sizes, before the checks below
+        from .integrations.vllm import demo_flags
+        o = demo_flags(o)
     mcfg = _checked(o, modes)  # every bad flag fails here, before any work
     source = f"checkpoint {o['checkpoint']}" if o["checkpoint"] else o["model"]
-    click.echo(f"model: {source} ({mcfg.kv_spec().describe()}), {o['clients']} clients x {o['rounds']} rounds, "
+    echo = echo_for(o["json_path"])
+    echo(f"model: {source} ({mcfg.kv_spec().describe()}), {o['clients']} clients x {o['rounds']} rounds, "
                f"device pool {o['device_tokens']} tokens, host pool {o['host_tokens']} tokens")
     if o["device"] == "cpu" and not exact_mode(mcfg, _engine_config(o, modes[0])) and len(modes) > 1:
-        click.echo(f"note: {mcfg.dtype} on the CPU is not exact (fp32 is: its attention accumulates in float64), "
+        echo(f"note: {mcfg.dtype} on the CPU is not exact (fp32 is: its attention accumulates in float64), "
                    "so a prefix hit may round differently from recomputing and the modes' outputs may differ")
     t0 = time.perf_counter()
-    summaries, outputs = run_modes(o, modes, progress=not o["no_progress"])
+    if o["engine"] == "vllm":
+        from .integrations.vllm import demo_modes
+        summaries, outputs = demo_modes(o, modes, mcfg, progress=not o["no_progress"])
+    else:
+        summaries, outputs = run_modes(o, modes, progress=not o["no_progress"])
     same, detail = compare_outputs(outputs)
-    click.echo("")
-    click.echo(table(summaries))
-    click.echo("")
-    click.echo(f"outputs identical: {'yes' if same else 'NO'} ({detail})")
+    echo("")
+    echo(table(summaries))
+    echo("")
+    echo(f"outputs identical: {'yes' if same else 'NO'} ({detail})")
     if o["json_path"]:  # first: the results are kept whatever becomes of the figure
         doc = {"config": {k: v for k, v in o.items() if k not in ("json_path", "plot_path")},
                "model": {k: str(v) for k, v in asdict(mcfg).items()},
                "modes": summaries, "mode_titles": {m: MODE_TITLES[m] for m in modes},
                "outputs_identical": same, "outputs_detail": detail,
                "wall_s": time.perf_counter() - t0}
-        with open(o["json_path"], "w") as f:
-            json.dump(doc, f, indent=2)
-        click.echo(f"json: {o['json_path']}")
+        write_json(o["json_path"], doc, said="json: {}", indent=2)
     if o["plot_path"]:
         plot(summaries, o["plot_path"], f"kvtier demo: {o['model']}, {o['clients']} clients")
-        click.echo(f"plot: {o['plot_path']}")
+        echo(f"plot: {o['plot_path']}")
     if not same:
         sys.exit(1)

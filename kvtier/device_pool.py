@@ -13,9 +13,9 @@ import math
 
 import torch
 
-from .memory import check_host_memory
+from .memory import check_host_memory, layer_objects_bytes
 from .spec import DSA, MHA, MLA, KVSpec
-from .validate import device_type, require_positive_int
+from .validate import InvariantError, device_type, require_positive_int
 
 _LAYER_ATTR = {"k": "k_buffer", "v": "v_buffer", "kv": "kv_buffer", "index_k": "index_k_buffer"}
 
@@ -46,10 +46,14 @@ class KVPool:
         self.store_dtype = spec.store_dtype
         self.layer_num = spec.layer_num
         nbytes = spec.bytes_per_token * size
+        # Its per-layer views and pointers live in host memory whatever the device.
+        objects = layer_objects_bytes(spec.layer_num, len(spec.components))
+        what = f"a {spec.kind.upper()} device pool of {spec.layer_num:,} layers"
         if self.device.type == "cpu":
-            check_host_memory(nbytes, 0, f"a {spec.kind.upper()} device pool on the CPU",
-                              f"Lower size={size} (the device pool's token slots).")
+            check_host_memory(nbytes + objects, 0, f"{what} on the CPU",
+                              f"Lower size={size} (the device pool's token slots), or layer_num.")
         elif self.device.type == "cuda":
+            check_host_memory(objects, 0, f"the per-layer objects of {what}", "Lower layer_num.")
             free, _ = torch.cuda.mem_get_info(self.device)
             if nbytes > free:
                 raise MemoryError(
@@ -82,6 +86,24 @@ class KVPool:
         if self.store_dtype != self.dtype:
             x = x.view(self.store_dtype)
         return x.reshape(n, *item)
+
+    def check(self) -> None:
+        """Verify the buffers; raise :class:`~kvtier.validate.InvariantError` naming the first
+        thing broken: each component's stack has the spec's shape and dtype, its per-layer
+        buffers are its ``layer_num`` layers in order, and its pointer table holds their addresses."""
+        for comp in self.spec.components:
+            stack, attr = self.stacks[comp.name], layer_attr(comp.name)
+            if tuple(stack.shape) != (self.layer_num, self.size, *comp.item_shape) or stack.dtype != comp.dtype:
+                raise InvariantError(f"the {comp.name} stack is {stack.dtype} {tuple(stack.shape)}, not {comp.dtype} "
+                                     f"{(self.layer_num, self.size, *comp.item_shape)}")
+            layers = getattr(self, attr)
+            bad = next((i for i, t in enumerate(layers) if t.data_ptr() != stack[i].data_ptr()
+                        or t.shape != stack.shape[1:]), None) if len(layers) == self.layer_num else len(layers)
+            if bad is not None:
+                raise InvariantError(f"{attr}[{bad}] is not layer {bad} of the {comp.name} stack "
+                                     f"({len(layers)} buffers for {self.layer_num} layers)")
+            if getattr(self, _ptr_attr(comp.name)).cpu().tolist() != [t.data_ptr() for t in layers]:
+                raise InvariantError(f"{_ptr_attr(comp.name)} does not hold the addresses of {attr}")
 
     def layer_bytes(self, component: str, layer_id: int) -> torch.Tensor:
         """Layer ``layer_id`` of ``component`` as a ``(size, item_bytes)`` uint8 view."""

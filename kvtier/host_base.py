@@ -20,11 +20,12 @@ from .host_checks import (_as_index_tensor, _check_page_size, _check_range, _int
                           _size_in_pages, spec_of, synchronized)
 from .host_pages import HostPages
 from .layouts import HostLayout, Placement, get_layout
-from .memory import GB, HostBuffer, check_host_memory, gpu_available, huge_page_bytes, resolve_huge_pages
+from .memory import (GB, HostBuffer, check_host_memory, gpu_available, huge_page_bytes, layer_objects_bytes,
+                     resolve_huge_pages)
 from .spec import DSA
 from .transfer.base import TransferPart
 from .transfer.factory import Backends
-from .validate import device_type, require_index
+from .validate import InvariantError, device_type, require_index
 
 logger = logging.getLogger("kvtier")
 
@@ -84,7 +85,9 @@ class HostKVCache(HostPages):
                 "the host tier cannot hold everything the GPU evicts", self.size, device_pool.size,
             )
         requested = self.size * self.size_per_token
-        mem = check_host_memory(requested, reserve_bytes, f"this {self.KIND.upper()} host pool")
+        objects = layer_objects_bytes(self.layer_num, len(self.spec.components))  # views, pointers, transfer parts
+        mem = check_host_memory(requested + objects, reserve_bytes,
+                                f"this {self.KIND.upper()} host pool ({self.layer_num:,} layers)")
         logger.info(
             "allocating %.2f GB of host KV (%d tokens, %s, %d B/token); %.2f GB available",
             requested / GB, self.size, layout, self.size_per_token, mem.available / GB,
@@ -172,6 +175,18 @@ class HostKVCache(HostPages):
         tensors = [b.tensor for b in self._buffers]  # one per mapping (MHA's K and V share one)
         held = sum(t.numel() * t.element_size() for t in tensors)
         return sum(huge_page_bytes(t) for t in tensors) / held if held else 0.0
+
+    def check(self) -> None:
+        """Verify the allocator and the buffers; raise :class:`~kvtier.validate.InvariantError`
+        naming the first thing broken (each component's buffer holds the bytes its placement
+        addresses, the allocator covers the pool's slots)."""
+        self.allocator.check()
+        if self.allocator.size != self.size:
+            raise InvariantError(f"the allocator hands out {self.allocator.size} slots of a pool of {self.size}")
+        for c in self.spec.components:
+            got, want = self.raw_bytes(c.name).numel(), self.placements[c.name].total_bytes
+            if got != want:
+                raise InvariantError(f"the {c.name} buffer holds {got} bytes; its {self.layout} placement addresses {want}")
 
     def close(self) -> None:
         """Unpin the host memory now rather than at garbage collection."""

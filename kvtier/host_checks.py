@@ -19,13 +19,14 @@ import torch
 
 from .memory import GB, cgroup_limit_and_usage, host_memory
 from .spec import DSA, MHA, KVSpec, dsa_index_row_bytes
-from .validate import is_int_dtype, require_positive_int
+from .validate import is_int_dtype, require_positive_int, require_readable
 
 
 def _int_value(value):
     """A one-element integer tensor as its int (storage backends pass ``host_indices[i]``, a 0-d
     tensor, as SGLang's do); anything else as it is."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and is_int_dtype(value.dtype):
+        require_readable("index", value)
         return int(value.item())
     return value
 
@@ -78,6 +79,7 @@ def _as_index_tensor(values, name: str) -> torch.Tensor:
     """``values`` as a contiguous 1-D int64 tensor: every backend reads an index tensor as
     packed (a strided view, read so, names other slots than its values)."""
     t = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(values))
+    require_readable(name, t)
     if t.dim() != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {tuple(t.shape)}")
     if not is_int_dtype(t.dtype):

@@ -52,18 +52,32 @@ class Placement:
         page, tok = divmod(slot, self.page_size)
         return page * self.page + tok * self.token + layer * self.layer_stride + chunk * self.chunk
 
+    @property
+    def page_contiguous(self) -> bool:
+        """Whether one page is one contiguous block of every layer's bytes."""
+        return self.page == self.page_size * self.layer_num * self.item_bytes
+
+    @property
+    def pieces_per_page(self) -> int:
+        """``len(page_pieces(p))``, counted without building them (a layer each, or one)."""
+        return 1 if self.page_contiguous else self.layer_num
+
+    @property
+    def piece_bytes(self) -> int:
+        """The size of each of a page's pieces."""
+        return self.page_size * self.item_bytes * (self.layer_num if self.page_contiguous else 1)
+
     def page_pieces(self, page: int) -> list[tuple[int, int]]:
         """The contiguous byte ranges ``(offset, nbytes)`` that hold one page, in order.
 
         Their concatenation is the page's bytes in this layout's native order,
-        the same order as a flat data page.
+        the same order as a flat data page. One per layer where the layout
+        splits a page by layer (:attr:`pieces_per_page` counts them for free).
         """
-        block = self.page_size * self.layer_num * self.item_bytes
         start = page * self.page
-        if self.page == block:
-            return [(start, block)]
-        run = self.page_size * self.item_bytes
-        return [(start + layer * self.layer_stride, run) for layer in range(self.layer_num)]
+        if self.page_contiguous:
+            return [(start, self.piece_bytes)]
+        return [(start + layer * self.layer_stride, self.piece_bytes) for layer in range(self.layer_num)]
 
 
 class HostLayout:

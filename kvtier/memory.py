@@ -21,6 +21,12 @@ DEFAULT_RESERVE_BYTES = 10 * (1 << 30)
 RESERVE_ENV = "KVTIER_HOST_RESERVE_GB"
 # The host memory this process may use, where the OS reports less than the machine can take.
 LIMIT_ENV = "KVTIER_HOST_LIMIT_GB"
+# The most GB a size in bytes may name (an int64 of bytes): more is no machine's memory.
+MAX_GB = (2**63 - 1) / GB
+# Host memory a pool keeps per layer and component beyond its KV bytes: tensor views, pointer
+# table entries, transfer parts (1.2-1.9 KB measured, torch 2.13 on the CPU). A model of a
+# million layers and a few MB of KV needs GBs of them.
+LAYER_OBJECT_BYTES = 2048
 
 # Where the cgroup file systems are mounted, and which cgroups this process is in.
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -66,7 +72,15 @@ def _env_gb(name: str, positive: bool) -> float | None:
         raise EnvSettingError(f"{name}={raw!r} is not a number of GB") from None
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         raise EnvSettingError(f"{name}={raw!r} must be {'> 0' if positive else '>= 0'} (GB)")
+    if value > MAX_GB:
+        raise EnvSettingError(f"{name}={raw!r} is more memory than a machine has; give at most {MAX_GB:.3g} (GB)")
     return value
+
+
+def layer_objects_bytes(layer_num: int, components: int) -> int:
+    """Host memory the per-layer objects of a pool of ``layer_num`` layers and ``components``
+    components take (:data:`LAYER_OBJECT_BYTES` each), to count with its KV bytes."""
+    return layer_num * components * LAYER_OBJECT_BYTES
 
 
 def default_reserve_bytes() -> int:

@@ -105,6 +105,9 @@ class KVSpec:
         if self.kind not in KINDS:
             raise ValueError(f"unknown KV kind {self.kind!r}; use one of {KINDS}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if self.dtype == torch.bool or self.dtype.is_complex:
+            raise ValueError(f"dtype {self.dtype} cannot hold KV values; use one of bf16, fp16, fp32, fp8 "
+                             "(or the integer type an engine stores FP8 in)")
         require_positive_int("layer_num", self.layer_num)
         if self.kind == MHA:
             require_positive_int("head_num", self.head_num)

@@ -9,6 +9,11 @@ import numpy as np
 import torch
 
 
+class InvariantError(RuntimeError):
+    """A check of internal state (``check()`` of a cache, an allocator or a pool) found an
+    invariant broken; the message names the first one."""
+
+
 def is_int(value) -> bool:
     """A Python or numpy integer, not a bool (``True`` is no count of anything)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
@@ -17,6 +22,14 @@ def is_int(value) -> bool:
 def is_int_dtype(dtype: torch.dtype) -> bool:
     """An integer tensor dtype: not floating point, complex or bool."""
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def require_readable(name: str, t: torch.Tensor) -> None:
+    """A tensor whose values kvtier can read: on the CPU or a CUDA device (a ``meta`` tensor
+    has none, and other devices are not kvtier's)."""
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is a tensor on the {t.device.type!r} device, whose values kvtier cannot read; "
+                         "pass it on the CPU (or the pool's CUDA device)")
 
 
 def is_finite_number(value, low: float = 0.0, strict: bool = False) -> bool:

@@ -23,10 +23,13 @@ from kvtier.transfer.engine import LayerLoad, TransferEngine, TransferHandle
 
 
 class _Held:
-    """Completion state shared by held backups and loads."""
+    """Completion state shared by held backups and loads. ``error``: the transfer fails once
+    released (its ``run`` moved only part of the bytes): ``done``, ``synchronize`` and
+    ``wait_layer`` raise it then, ``settle`` returns it, as a caller's engine whose copy
+    failed on the device would."""
 
-    def _init_held(self, engine: "HeldTransferEngine", run) -> None:
-        self._engine, self._run, self._released = engine, run, False
+    def _init_held(self, engine: "HeldTransferEngine", run, error: BaseException | None = None) -> None:
+        self._engine, self._run, self._released, self._error = engine, run, False, error
 
     def _complete(self) -> None:
         with self._engine.lock:
@@ -35,26 +38,37 @@ class _Held:
                 self._released = True
                 self.finished_at = time.perf_counter()
                 self._engine.pending.remove(self)
+        if self._error is not None:
+            raise self._error
 
     def done(self) -> bool:
+        if self._released and self._error is not None:
+            raise self._error
         return self._released
 
     def synchronize(self) -> None:
         self._complete()
 
+    def settle(self) -> BaseException | None:
+        try:
+            self._complete()
+        except Exception as e:  # noqa: BLE001 - returned, as settle() does
+            return e
+        return None
+
 
 class HeldHandle(_Held, TransferHandle):
-    def __init__(self, engine, run, nbytes):
+    def __init__(self, engine, run, nbytes, error=None):
         TransferHandle.__init__(self, nbytes)
         self.finished_at = None
-        self._init_held(engine, run)
+        self._init_held(engine, run, error)
 
 
 class HeldLayerLoad(_Held, LayerLoad):
-    def __init__(self, engine, run, layer_num, nbytes):
+    def __init__(self, engine, run, layer_num, nbytes, error=None):
         LayerLoad.__init__(self, layer_num, nbytes)
         self.finished_at = None
-        self._init_held(engine, run)
+        self._init_held(engine, run, error)
 
     def wait_layer(self, layer: int, stream=None) -> None:
         self._complete()
@@ -75,6 +89,10 @@ class HeldTransferEngine:
         # The next this many backups fail as the CUDA engine reports a background thread that
         # could not queue a backup's copies: a real handle whose queueing future holds the error.
         self.fail_backups = 0
+        # The next this many loads fail partway: released, they load layer 0 only, then raise.
+        self.fail_loads = 0
+        # The next this many backups fail when released (held until then, as others are).
+        self.fail_released_backups = 0
 
     @property
     def layer_num(self) -> int:
@@ -88,12 +106,21 @@ class HeldTransferEngine:
             self.issued += 1
             return TransferHandle(self.real._nbytes(len(host_indices)), queued=failed)
         h, d = host_indices.clone(), device_indices.clone()
-        handle = HeldHandle(self, lambda: self.real.backup(h, d), self.real._nbytes(len(h)))
+        error = None
+        if self.fail_released_backups:
+            self.fail_released_backups -= 1
+            error = RuntimeError("the backup's copy failed on the device")
+        handle = HeldHandle(self, lambda: self.real.backup(h, d), self.real._nbytes(len(h)), error)
         return self._track(handle)
 
     def load(self, host_indices, device_indices):
         h, d = host_indices.clone(), device_indices.clone()
-        handle = HeldLayerLoad(self, lambda: self.real.load(h, d), self.layer_num, self.real._nbytes(len(h)))
+        run, error = (lambda: self.real.load(h, d)), None
+        if self.fail_loads:
+            self.fail_loads -= 1
+            run = lambda: self.host_pool.load_to_device_per_layer(self.device_pool, h, d, 0)  # noqa: E731
+            error = RuntimeError("the load failed partway: a host link fault after layer 0")
+        handle = HeldLayerLoad(self, run, self.layer_num, self.real._nbytes(len(h)), error)
         return self._track(handle)
 
     def _track(self, handle):
@@ -110,7 +137,7 @@ class HeldTransferEngine:
                 rng.shuffle(todo)
             todo = todo if count is None else todo[:count]
             for h in todo:
-                h._complete()
+                h.settle()  # a failing one fails here; its owner sees it at done()
             return len(todo)
 
 
@@ -202,3 +229,117 @@ def serve(cache, seq, namespace="default", ns_id=0, load=True):
     cache.free_device(own[L // ps * ps - p :])
     cache.unlock(m.node)
     return m, cached
+
+
+# -- a transfer engine with delays and failures on threads of its own -------------------------
+
+class _FlakyHandle(LayerLoad):
+    """Completion of one :class:`FlakyTransferEngine` transfer: every wait blocks until its
+    worker has run it; a failed one then raises (``settle`` returns the error)."""
+
+    def __init__(self, layer_num: int, nbytes: int):
+        LayerLoad.__init__(self, layer_num, nbytes)
+        self.finished_at = None
+        self.error: BaseException | None = None
+        self._event = threading.Event()
+
+    def _finish(self, error: BaseException | None) -> None:
+        self.error, self.finished_at = error, time.perf_counter()
+        self._event.set()
+
+    def done(self) -> bool:
+        if self._event.is_set() and self.error is not None:
+            raise self.error
+        return self._event.is_set()
+
+    def synchronize(self) -> None:
+        self._event.wait()
+        self.done()
+
+    def settle(self) -> BaseException | None:
+        self._event.wait()
+        return self.error
+
+    def wait_layer(self, layer: int, stream=None) -> None:
+        self._check_layer(layer)
+        self.synchronize()
+
+    def layer_done(self, layer: int) -> bool:
+        self._check_layer(layer)
+        return self.done()
+
+    def wait(self, stream=None, raise_error: bool = True) -> None:
+        self._event.wait()
+        if raise_error:
+            self.done()
+
+
+class FlakyTransferEngine:
+    """Backups and loads run by ``workers`` threads after a random delay of up to ``max_delay``
+    seconds; a ``fail_rate`` share fails partway, leaving wrong bytes where it wrote (a backup
+    copies other device slots; a load writes layer 0 from other host slots), so a cache that
+    served a failed transfer's pages would be caught by a byte check. Copies go through the
+    host pool's own (seed-API) transfers, one at a time."""
+
+    def __init__(self, host_pool, fail_rate: float, max_delay: float, seed: int, workers: int = 2):
+        import heapq
+        self.host_pool, self.device_pool = host_pool, host_pool.device_pool
+        self.layer_num = host_pool.layer_num
+        self.fail_rate, self.max_delay, self.rng = fail_rate, max_delay, random.Random(seed)
+        self._heap: list = []
+        self._push, self._pop = heapq.heappush, heapq.heappop
+        self._cv, self._copy = threading.Condition(), threading.Lock()
+        self._stop, self._count = False, 0
+        self.failed = self.issued = 0
+        self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def backup(self, host_indices, device_indices):
+        return self._submit("backup", host_indices.clone(), device_indices.clone())
+
+    def load(self, host_indices, device_indices):
+        return self._submit("load", host_indices.clone(), device_indices.clone())
+
+    def _submit(self, kind, h, d):
+        nbytes = len(h) * self.host_pool.size_per_token
+        handle = _FlakyHandle(self.layer_num, nbytes)
+        with self._cv:
+            fail = self.rng.random() < self.fail_rate
+            due = time.perf_counter() + self.rng.random() * self.max_delay
+            self._count += 1
+            self.issued += 1
+            self._push(self._heap, (due, self._count, kind, h, d, fail, handle))
+            self._cv.notify()
+        return handle
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and (not self._heap or self._heap[0][0] > time.perf_counter()):
+                    self._cv.wait(timeout=None if not self._heap else max(self._heap[0][0] - time.perf_counter(), 0))
+                if self._stop and not self._heap:
+                    return
+                _, _, kind, h, d, fail, handle = self._pop(self._heap)
+            handle._finish(self._run(kind, h, d, fail))
+
+    def _run(self, kind, h, d, fail) -> BaseException | None:
+        host, dev = self.host_pool, self.device_pool
+        with self._copy:
+            if kind == "backup":
+                host.backup_from_device_all_layer(dev, h, d.flip(0) if fail else d, "direct")
+            else:
+                for layer in range(1 if fail else self.layer_num):
+                    host.load_to_device_per_layer(dev, h.flip(0) if fail else h, d, layer, "direct")
+        if fail:
+            self.failed += 1
+            return RuntimeError(f"the {kind} failed partway (an injected fault)")
+        return None
+
+    def close(self) -> None:
+        """Run what is queued, then stop the workers."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join(timeout=30)

@@ -7,7 +7,6 @@ baseline below reproduces that behaviour (our code, the seed's algorithm).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
@@ -15,7 +14,7 @@ import click
 import torch
 
 from ..allocator import PageAllocator
-from ..commands import OUTPUT_PATH
+from ..commands import JSON_HELP, JSON_PATH, echo_for, write_json
 
 
 class SeedFreeList:
@@ -78,7 +77,7 @@ def run(size: int, page_sizes: list[int], iters: int, repeats: int, echo=click.e
               show_default=True, help="Page sizes to measure (repeatable).")
 @click.option("--iters", type=click.IntRange(min=10), default=2000, show_default=True, help="alloc+free pairs per sample.")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Samples (median taken).")
-@click.option("--json", "json_path", type=OUTPUT_PATH, default=None, help="Write rows as JSON.")
+@click.option("--json", "json_path", type=JSON_PATH, default=None, help=JSON_HELP)
 def alloc(size: int, page_sizes, iters: int, repeats: int, json_path) -> None:
     """One alloc+free pair: kvtier's PageAllocator vs the seed's torch.cat free list."""
     if short := [ps for ps in page_sizes if ps > size]:
@@ -90,9 +89,8 @@ def alloc(size: int, page_sizes, iters: int, repeats: int, json_path) -> None:
                           "Lower --size.")
     except HostMemoryError as e:
         raise click.UsageError(str(e)) from None
-    click.echo(f"{'pool':>10} {'page':>5} {'pages':>6} {'kvtier us':>12} {'seed us':>12} {'ratio':>10}")
-    rows = run(size, list(page_sizes), iters, repeats)
+    echo = echo_for(json_path)
+    echo(f"{'pool':>10} {'page':>5} {'pages':>6} {'kvtier us':>12} {'seed us':>12} {'ratio':>10}")
+    rows = run(size, list(page_sizes), iters, repeats, echo)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=2)
-        click.echo(f"wrote {json_path}")
+        write_json(json_path, rows, indent=2)

@@ -14,8 +14,8 @@ Python list, conversion included.
 from __future__ import annotations
 
 import gc
-import json
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ..cache import CacheConfig, HiCache
-from ..commands import FINITE_POSITIVE, OUTPUT_PATH
+from ..commands import FINITE_POSITIVE, JSON_HELP, JSON_PATH, echo_for, write_json
 from ..device_pool import MHATokenToKVPool
 from .cache_reference import ReferenceRadixTree
 
@@ -150,32 +150,32 @@ def measure_insert(w: Workload, prompt: int) -> float:
     return statistics.median(w.add(w.branch(prompt, shared=half)) for _ in range(3))
 
 
-def print_table(rows: list[Row]) -> None:
+def print_table(rows: list[Row], echo=click.echo) -> None:
     head = (f"{'cached':>9} {'prompt':>7} {'matched':>8} {'nodes':>5} {'match us':>9} {'us/1k tok':>9} "
             f"{'from list':>9} {'insert us':>9} {'ref us':>9} {'ref/ours':>8}")
-    click.echo(head)
-    click.echo("-" * len(head))
+    echo(head)
+    echo("-" * len(head))
     for r in rows:
-        click.echo(f"{r.cached_tokens:>9} {r.prompt_tokens:>7} {r.matched_tokens:>8} {r.path_nodes:>5} {r.match_us:>9.1f} "
-                   f"{r.match_us_per_ktok:>9.2f} {r.match_list_us:>9.1f} {r.insert_us:>9.1f} "
-                   f"{r.reference_match_us:>9.1f} {r.ratio:>7.1f}x")
+        echo(f"{r.cached_tokens:>9} {r.prompt_tokens:>7} {r.matched_tokens:>8} {r.path_nodes:>5} {r.match_us:>9.1f} "
+             f"{r.match_us_per_ktok:>9.2f} {r.match_list_us:>9.1f} {r.insert_us:>9.1f} "
+             f"{r.reference_match_us:>9.1f} {r.ratio:>7.1f}x")
 
 
-def verdict(rows: list[Row], page_size: int, budget_us: float) -> None:
+def verdict(rows: list[Row], page_size: int, budget_us: float, echo=click.echo) -> None:
     big = [r for r in rows if r.prompt_tokens == SEQ_LEN]
     if not big:
         return
     last = max(big, key=lambda r: r.cached_tokens)
     ok = last.match_us <= budget_us
-    click.echo(f"\n{SEQ_LEN}-token prompt, page {page_size}, {last.cached_tokens} tokens cached: "
-               f"{last.match_us:.1f} us (budget {budget_us:.0f} us) -> {'PASS' if ok else 'FAIL'}")
+    echo(f"\n{SEQ_LEN}-token prompt, page {page_size}, {last.cached_tokens} tokens cached: "
+         f"{last.match_us:.1f} us (budget {budget_us:.0f} us) -> {'PASS' if ok else 'FAIL'}")
     for prompt in sorted({r.prompt_tokens for r in rows}):
         full = [r for r in rows if r.prompt_tokens == prompt and r.matched_tokens == prompt]
         if len(full) > 1:
             per = [r.match_us_per_ktok for r in full]
             sizes = ", ".join(f"{r.cached_tokens:.0e}: {r.match_us_per_ktok:.2f}" for r in full)
-            click.echo(f"full {prompt}-token hits, us per 1k tokens by cached size ({sizes}): "
-                       f"max/min {max(per) / min(per):.2f}")
+            echo(f"full {prompt}-token hits, us per 1k tokens by cached size ({sizes}): "
+                 f"max/min {max(per) / min(per):.2f}")
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -196,7 +196,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--budget-us", default=200.0, show_default=True, type=FINITE_POSITIVE,
               help="Acceptance: 32k-token match time at the largest size.")
-@click.option("--json", "json_path", type=OUTPUT_PATH, help="Write the rows here.")
+@click.option("--json", "json_path", type=JSON_PATH, help=JSON_HELP)
 def cache(sizes, prompts, page_size, repeats, seed, budget_us, json_path):
     """Prefix-cache match and insert time as the tree grows, vs a token-by-token radix tree."""
     sizes_l = sorted(_int_list(sizes, "--sizes"))
@@ -218,14 +218,13 @@ def cache(sizes, prompts, page_size, repeats, seed, budget_us, json_path):
         for size in sizes_l:
             if w.cached > size:
                 # Each row's insert timings grow the tree by ~1.5x its prompts (insert_us).
-                tqdm.write(f"note: the tree already holds {w.cached:,} tokens, past --sizes {size:,} "
-                           "(the rows before grew it by their insert timings); its rows are at that size")
+                tqdm.write(f"note: the tree already holds {w.cached:,} tokens, past --sizes {size:,} (the rows "
+                           "before grew it by their insert timings); its rows are at that size", file=sys.stderr)
             w.grow_to(size, bar)
             matches = [measure_match(w, p, repeats) for p in prompts_l]
             rows += [Row(**m, insert_us=measure_insert(w, p)) for m, p in zip(matches, prompts_l)]
-    print_table(rows)
-    verdict(rows, page_size, budget_us)
+    echo = echo_for(json_path)
+    print_table(rows, echo)
+    verdict(rows, page_size, budget_us, echo)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
-        click.echo(f"wrote {json_path}")
+        write_json(json_path, [asdict(r) for r in rows], indent=1)

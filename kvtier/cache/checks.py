@@ -8,6 +8,7 @@ import weakref
 import numpy as np
 import torch
 
+from ..validate import require_readable
 from .config import CacheConfig
 
 
@@ -15,6 +16,7 @@ def as_slots(values) -> np.ndarray:
     if isinstance(values, torch.Tensor):
         if values.dtype.is_floating_point or values.dtype == torch.bool:
             raise ValueError(f"slot indices must be integers, got a tensor of {values.dtype}")
+        require_readable("slot indices", values)
         arr = values.detach().to("cpu", torch.int64).numpy()
     else:
         arr = np.asarray(values)

@@ -28,14 +28,15 @@ import numpy as np
 import torch
 
 from ..allocator import tokens_to_pages
-from ..transfer.engine import LayerLoad, TransferEngine
+from ..transfer.engine import TransferEngine
 from .advisor import Advice, advise
 from .config import CacheConfig
 from .hashing import as_token_array, chain_hashes, namespace_seed
-from .inflight import LOAD, CombinedLayerLoad
+from .inflight import LOAD, CacheLoad
+from .invariants import check_cache
 from .metrics import CacheMetrics
 from .policy import make_policies
-from .radix import Node, RadixTree
+from .radix import Node, RadixTree, load_tokens, ready_prefix
 from ..validate import check_namespace, is_int
 from .checks import as_slots, check_pools, claim_device_pool
 from .tiers import REQUEST, TREE, Tiers, concat, tokens_of
@@ -123,10 +124,10 @@ class HiCache:
             if partial is not None:
                 path.append(self.tree.split(*partial))
                 matched += partial[1]
-            n_dev = _ready_on_device(path)
+            n_dev = ready_prefix(path)
             dev_pages = concat([n.device for n in path[:n_dev]])
             host_len = matched - len(dev_pages) * self.page_size
-            load_len = _host_only(path[n_dev:])
+            load_len = load_tokens(path[n_dev:])
             node = path[-1] if path else root
             # Locked before the hot pages' backup, which may evict host pages for room: the
             # match's own host part must not be among them (it is reported cached).
@@ -155,7 +156,7 @@ class HiCache:
             path = self.tree.path_to(match.node)
             # As the match found them (a load_back since may have brought the host part over).
             host = match.host_only_len
-            self._hit(path, _ready_on_device(path), n_tokens, match.total_len - host, host)
+            self._hit(path, ready_prefix(path), n_tokens, match.total_len - host, host)
 
     def _hit(self, path: list[Node], n_dev: int, n_tokens: int, on_device: int, host_only: int) -> None:
         """A query of ``n_tokens`` matched ``path`` (its first ``n_dev`` nodes ready on the
@@ -182,6 +183,8 @@ class HiCache:
                 raise ValueError("unlock without a matching lock: this node is not locked by its own lock "
                                  "(unlock the node lock() or match_prefix(lock=True) gave you, once)")
             self.tree.unlock(node)
+            if self.tiers.stale:
+                self.tiers.reap_stale()  # a failed load's pages this lock held
 
     # -- insert ----------------------------------------------------------------
 
@@ -269,9 +272,8 @@ class HiCache:
 
     def _optional_backup(self, nodes: list[Node]) -> None:
         """A backup the cache may go without (write-through, a hot page's): one that fails to
-        start (its engine raised, or a poll raised another transfer's failure, which the next
-        poll raises again) is skipped and counted, not raised from an insert or a match that
-        has already changed the tree."""
+        start (its engine raised) is skipped and counted, not raised from an insert or a match
+        that has already changed the tree."""
         try:
             self.tiers.start_backup(nodes)
         except Exception as e:  # noqa: BLE001 - counted and logged; the data stays on the device
@@ -285,17 +287,20 @@ class HiCache:
 
         Returns the device slots of the whole matched prefix and the
         per-layer completion to wait on, or None when the device has no room
-        even after eviction (nothing changed then).
+        even after eviction (nothing changed then). Where a load fails, its
+        ``layer_load`` raises :class:`~.types.LoadFailedError` from every wait
+        (``layer_load.failed``): the request unlocks its match and matches
+        again; the cache keeps the host copy and goes on.
         """
         with self._lock:
             node = match.node
             self._check_node(node)
             if node.parent is not None and node.lock_ref == 0:
                 raise ValueError("lock(match.node) before load_back: an unlocked match may be evicted meanwhile")
-            self.tiers.poll()  # another transfer's failure is raised here, before this one is issued
+            self.tiers.poll()  # a load that failed since is retired here: its pages are loaded again below
             path = self.tree.path_to(node)
-            rest = path[_ready_on_device(path):]
-            to_load = [n for n in rest if n.device is None]
+            rest = path[ready_prefix(path):]
+            to_load = [n for n in rest if n.device is None or n.stale]
             # Pages still being loaded are waited for; a ready page's op, if any, is a backup
             # reading it (it has no layers to wait on, and the load does not need it).
             pending = list({id(n.op): n.op for n in rest
@@ -306,17 +311,10 @@ class HiCache:
                     self.metrics.backpressure["load_back"].inc()
                     return None
                 pending.append(op)
-            handles = [op.handle for op in pending]
             loaded = sum(len(n) for n in to_load)
-            if not handles:
-                layer_load = LayerLoad(self.device_pool.layer_num, 0)
-            else:
-                layer_load = handles[0] if len(handles) == 1 else CombinedLayerLoad(handles)
-            try:
-                self.tiers.poll()  # what finished meanwhile (on the CPU: this load)
-            except RuntimeError:
-                pass  # a load that failed since the poll above: every later poll raises it; this one is issued
+            layer_load = CacheLoad(pending, self.device_pool.layer_num)
             dev = tokens_of(concat([n.device for n in path]), self.page_size)
+            self.tiers.poll()  # what finished meanwhile (on the CPU: this load)
             return LoadResult(dev, layer_load, loaded)
 
     def advise(self, match: MatchResult, prefill_seconds_per_token: float) -> Advice:
@@ -346,11 +344,14 @@ class HiCache:
         """Free at least ``n_tokens`` device slots of unlocked cached pages if possible; returns slots freed."""
         want = self._pages_of(n_tokens, "n_tokens", round_up=True)
         with self._lock:
-            freed = self.tiers.evict_device(want)
-            while freed < want and len(self.tiers.inflight):
-                self.tiers.wait_oldest()
-                freed += self.tiers.evict_device(want - freed)
-            return freed * self.page_size
+            free = self.tiers.device_alloc.available_pages
+            start = free()
+            self.tiers.poll()  # transfers that finished: their pages may go now
+            self.tiers.evict_device(want)
+            while free() - start < want and len(self.tiers.inflight):
+                self.tiers.wait_oldest()  # demotions landing (or failing: then dropped)
+                self.tiers.evict_device(want - (free() - start))
+            return max(free() - start, 0) * self.page_size
 
     def evict_host(self, n_tokens: int) -> int:
         """Free up to ``n_tokens`` host slots (rounded up to pages); returns slots freed."""
@@ -358,10 +359,12 @@ class HiCache:
         with self._lock:
             if self.host_pool is None:
                 return 0
+            self.tiers.poll()
             return self.tiers.evict_host(want) * self.page_size
 
     def clear(self) -> None:
-        """Wait for transfers in flight, then drop every cached page of both tiers.
+        """Wait for transfers in flight (retiring any that failed), then drop every cached page
+        of both tiers.
 
         Slots requests hold (from alloc_device) stay theirs. Raises if a node
         is still locked, before changing anything.
@@ -374,6 +377,12 @@ class HiCache:
             self.tiers.wait_all()
             self.tiers.free_everything()
             self.tree.reset()
+
+    def check(self) -> None:
+        """Verify the cache's invariants; raise :class:`~kvtier.validate.InvariantError` naming the
+        first one broken. For tests and debugging: O(cached pages), under the cache's lock."""
+        with self._lock:
+            check_cache(self)
 
     def device_free_tokens(self) -> int:
         """Slots alloc_device can hand out: free ones plus unlocked cached ones it may evict."""
@@ -472,15 +481,3 @@ class HiCache:
             bw = {k: m.bps for k, m in tiers.meters.items()}
             return {"tokens": tokens, "queue_depth": depth, "bandwidth": bw}
 
-
-def _host_only(nodes: list[Node]) -> int:
-    """Tokens of ``nodes`` that are on the host only (a load would move them)."""
-    return sum(len(n) for n in nodes if n.device is None)
-
-
-def _ready_on_device(path: list[Node]) -> int:
-    """How many of ``path``'s first nodes hold their pages on the device, ready."""
-    n = 0
-    while n < len(path) and path[n].device is not None and path[n].device_ready:
-        n += 1
-    return n

@@ -15,6 +15,8 @@ import hashlib
 import numpy as np
 import torch
 
+from ..validate import require_readable
+
 HASH_VERSION = b"kvtier-page-sha256-v1"
 
 
@@ -27,6 +29,7 @@ def as_token_array(token_ids) -> np.ndarray:
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dtype.is_floating_point or token_ids.dtype in (torch.bool, torch.complex64, torch.complex128):
             raise ValueError(f"token_ids must be integers, got a tensor of {token_ids.dtype}")
+        require_readable("token_ids", token_ids)
         arr = token_ids.detach().to("cpu", torch.int64).numpy()
     else:
         arr = np.asarray(token_ids)

@@ -12,6 +12,7 @@ import time
 from collections import deque
 
 from ..transfer.engine import LayerLoad
+from .types import LoadFailedError
 
 BACKUP, LOAD = "backup", "load"
 
@@ -56,17 +57,20 @@ class InFlight:
 
     def take_done(self) -> list[Op]:
         """Remove and return every op whose handle reports done, or raised (the error in
-        ``op.error``: a backup whose copies the background thread failed to queue)."""
+        ``op.error``: a backup whose copies the background thread failed to queue, a load of
+        a caller's engine that failed on the device)."""
         done: list[Op] = []
         for q in self.queues.values():
             if not q:
                 continue
             pending = deque()
             for op in q:
-                try:
-                    finished = op.handle.done()
-                except Exception as err:  # noqa: BLE001 - the caller retires the op, and counts it
-                    op.error, finished = err, True
+                finished = op.error is not None  # a waiter saw it fail (CacheLoad)
+                if not finished:
+                    try:
+                        finished = op.handle.done()
+                    except Exception as err:  # noqa: BLE001 - the caller retires the op, and counts it
+                        op.error, finished = err, True
                 (done if finished else pending).append(op)
             if len(pending) != len(q):
                 q.clear()
@@ -79,33 +83,71 @@ class InFlight:
         return min(ops, key=lambda op: op.issued) if ops else None
 
 
-class CombinedLayerLoad(LayerLoad):
-    """Several layer-by-layer loads seen as one: layer ``i`` is there when it is in all."""
+class CacheLoad(LayerLoad):
+    """The loads a request waits on, seen as one: layer ``i`` is there when it is in all (no
+    load: every layer is there).
 
-    def __init__(self, loads: list[LayerLoad]):
-        super().__init__(loads[0].layer_num, sum(x.nbytes for x in loads))
-        self.loads = loads
+    Once one of them has failed (its handle raised here or to the cache), every wait and
+    check raises :class:`~.types.LoadFailedError`, and ``failed`` is True: the request's
+    device slots for the host part then hold no valid KV."""
+
+    def __init__(self, ops: list[Op], layer_num: int):
+        super().__init__(layer_num, sum(op.handle.nbytes for op in ops))
+        self.ops = ops
         self.finished_at = None
 
+    @property
+    def failed(self) -> bool:
+        return any(op.error is not None for op in self.ops)
+
+    def _each(self, call) -> list:
+        """``call(handle)`` for every load; a failure, seen now or before, as LoadFailedError."""
+        out = []
+        for op in self.ops:
+            if op.error is None:
+                try:
+                    out.append(call(op.handle))
+                    continue
+                except Exception as err:  # noqa: BLE001 - the op's failure: the cache retires it at its next poll
+                    op.error = err
+            raise LoadFailedError(
+                f"a load of this match's host part failed ({op.error}); its device slots hold no valid KV: "
+                "unlock the match, then match_prefix again (the host copy is kept) and load it back or recompute it"
+            ) from op.error
+        return out
+
     def wait_layer(self, layer: int, stream=None) -> None:
-        for x in self.loads:
-            x.wait_layer(layer, stream)
+        self._check_layer(layer)
+        self._each(lambda h: h.wait_layer(layer, stream))
 
     def layer_done(self, layer: int) -> bool:
-        return all(x.layer_done(layer) for x in self.loads)
+        self._check_layer(layer)
+        return all(self._each(lambda h: h.layer_done(layer)))
 
     def done(self) -> bool:
-        if all(x.done() for x in self.loads):
+        if all(self._each(lambda h: h.done())):
             if self.finished_at is None:
                 self.finished_at = time.perf_counter()
             return True
         return False
 
     def synchronize(self) -> None:
-        for x in self.loads:
-            x.synchronize()
+        self._each(lambda h: h.synchronize())
         self.done()
 
     def settle(self) -> BaseException | None:
-        errors = [x.settle() for x in self.loads]
+        errors = [op.error or settle(op.handle) for op in self.ops]
         return next((e for e in errors if e is not None), None)
+
+
+def settle(handle) -> BaseException | None:
+    """Block until whatever ``handle``'s transfer queued has run; its error, or None. Never
+    raises (a caller's engine whose handles lack ``settle``: its ``synchronize``)."""
+    own = getattr(handle, "settle", None)
+    try:
+        if own is not None:
+            return own()
+        handle.synchronize()
+    except Exception as err:  # noqa: BLE001 - returned: the caller retires the transfer
+        return err
+    return None

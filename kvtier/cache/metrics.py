@@ -81,6 +81,8 @@ class CacheMetrics:
         bp = counter("backpressure", "Requests for device room refused", ["call"])
         self.backpressure = {c: bp.labels(call=c) for c in ("alloc_device", "load_back")}
         self.storage_offered_pages = counter("storage_offered_pages", "Host pages offered to the storage hook")
+        self.storage_offer_failures = counter("storage_offer_failures",
+                                              "Offers to the storage hook that raised (their pages freed all the same)")
         r.register(_StateCollector(state))
 
     def snapshot(self) -> dict[str, float]:

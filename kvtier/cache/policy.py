@@ -12,6 +12,9 @@ hit), and give a device-only node a host copy when the device evicts it
 
 from __future__ import annotations
 
+import heapq
+import itertools
+
 from .config import CacheConfig
 from .radix import Node
 
@@ -96,3 +99,25 @@ def make_policies(config: CacheConfig) -> tuple[EvictionPolicy, WritePolicy]:
     if config.write_policy == "write_through_selective":
         return eviction, WriteThroughSelective(config.selective_hits)
     return eviction, WriteBack()
+
+
+class Victims:
+    """Eligible nodes in policy order; parents are offered as their children go."""
+
+    def __init__(self, key, nodes, eligible):
+        self.key, self.eligible, self.tie = key, eligible, itertools.count()
+        self.heap = [(key(n), next(self.tie), n) for n in nodes if eligible(n)]
+        heapq.heapify(self.heap)
+
+    def offer(self, node: Node) -> None:
+        if node.parent is not None and self.eligible(node):
+            heapq.heappush(self.heap, (self.key(node), next(self.tie), node))
+
+    def pop(self) -> Node | None:
+        """The next node still eligible (earlier evictions, or calls a storage hook made
+        back into the cache, may have changed some)."""
+        while self.heap:
+            node = heapq.heappop(self.heap)[2]
+            if self.eligible(node):
+                return node
+        return None

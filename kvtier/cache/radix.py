@@ -16,7 +16,11 @@ Shape of the tree (invariants the controller keeps and the tests check):
   is locked when it or any descendant is locked by a request;
 - ``op`` is the transfer in flight on the node (a backup reading its device
   pages into ``host``, or a load writing ``device`` from ``host``); while
-  set, neither tier's pages of the node may be freed.
+  set, neither tier's pages of the node may be freed;
+- a node whose device pages are not ready and that has no op is *stale*: a
+  load into them failed, so they hold no valid KV (its host copy does); it
+  is loaded again into the same pages, or its device pages are freed once
+  nothing holds it.
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ class Node:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def stale(self) -> bool:
+        """Device pages a failed load left: allocated, holding no valid KV, nothing writing them."""
+        return self.device is not None and not self.device_ready and self.op is None
 
     @property
     def is_root(self) -> bool:
@@ -273,3 +282,16 @@ class RadixTree:
         if node.lock_ref:
             self.host_locked_pages -= len(pages)
         return pages
+
+
+def ready_prefix(path: list[Node]) -> int:
+    """How many of ``path``'s first nodes hold their pages on the device, ready."""
+    n = 0
+    while n < len(path) and path[n].device is not None and path[n].device_ready:
+        n += 1
+    return n
+
+
+def load_tokens(nodes: list[Node]) -> int:
+    """Tokens of ``nodes`` that a load would move: on the host only, or stale on the device."""
+    return sum(len(n) for n in nodes if n.device is None or n.stale)

@@ -11,23 +11,34 @@ Device page ownership is tracked per page (free / held by a request /
 held by the tree), so a request cannot free a page the tree owns, and the
 tree never adopts a page nobody allocated. Not thread-safe on its own:
 the cache calls it under its lock.
+
+A transfer that fails is retired, never raised to the caller of a later
+call (:meth:`Tiers._failed`), and eviction settles the tree before it
+offers pages to the storage hook, which may therefore call back into the
+cache (:meth:`Tiers.flush_offers`).
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
+import logging
 import time
+from collections import deque
 
 import numpy as np
 import torch
 
 from ..allocator import PageAllocator, pages_to_tokens
 from .advisor import BandwidthMeter
-from .inflight import BACKUP, LOAD, InFlight, Op
+from .inflight import BACKUP, LOAD, InFlight, Op, settle
+from .policy import Victims
 from .radix import Node, RadixTree
 
 FREE, REQUEST, TREE = 0, 1, 2
+# How deep offers to the storage hook nest (an offer that evicts, whose pages are offered from
+# inside it, ...); deeper ones wait for the offer running below them to return.
+MAX_OFFER_DEPTH = 4
+
+logger = logging.getLogger("kvtier")
 
 
 def tokens_of(pages: np.ndarray, page_size: int) -> torch.Tensor:
@@ -39,27 +50,6 @@ def concat(arrays: list[np.ndarray]) -> np.ndarray:
     if len(arrays) == 1:
         return arrays[0]
     return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
-
-
-class Victims:
-    """Eligible nodes in policy order; parents are offered as their children go."""
-
-    def __init__(self, key, nodes, eligible):
-        self.key, self.eligible, self.tie = key, eligible, itertools.count()
-        self.heap = [(key(n), next(self.tie), n) for n in nodes if eligible(n)]
-        heapq.heapify(self.heap)
-
-    def offer(self, node: Node) -> None:
-        if node.parent is not None and self.eligible(node):
-            heapq.heappush(self.heap, (self.key(node), next(self.tie), node))
-
-    def pop(self) -> Node | None:
-        """The next node still eligible (earlier evictions may have changed some)."""
-        while self.heap:
-            node = heapq.heappop(self.heap)[2]
-            if self.eligible(node):
-                return node
-        return None
 
 
 class Tiers:
@@ -77,6 +67,10 @@ class Tiers:
         if config.load_gbps_prior:
             self.meters[LOAD].bps = config.load_gbps_prior * 1e9
         self.token_bytes = device_pool.spec.bytes_per_token
+        self.stale: dict[Node, None] = {}  # nodes a failed load may have left stale (Node.stale)
+        # Host pages taken from the tree, waiting to be offered to the storage hook, then freed.
+        self.offers: deque[tuple[list[bytes], np.ndarray]] = deque()
+        self.in_offer: list[np.ndarray] = []  # the pages of the offer calls running now
         # Safety net against a livelock of wait-and-evict rounds (never reached in tests).
         self.max_rounds = 4 * (config.max_inflight_backups + config.max_inflight_loads) + 16
 
@@ -157,8 +151,8 @@ class Tiers:
             free = n.host_ready and n.op is None and n.lock_ref == 0
             if n.device is None:
                 free = gone[n] = free and all(gone.get(c, False) for c in n.children.values())
-            elif keep_device_copies:
-                free = False
+            elif keep_device_copies or not n.device_ready:
+                free = False  # (a stale node's host copy is its only valid one)
             total += len(n.host) if free else 0
         return total
 
@@ -166,7 +160,8 @@ class Tiers:
 
     @staticmethod
     def device_evictable(node: Node) -> bool:
-        return (node.device is not None and node.device_ready and node.op is None
+        """Unlocked device leaves with no op: ready, or stale (a stale node has a host copy)."""
+        return (node.alive and node.device is not None and node.op is None
                 and node.lock_ref == 0 and node.dev_children == 0)
 
     def evict_device(self, n_pages: int) -> int:
@@ -176,7 +171,9 @@ class Tiers:
         copy just leaves the device; one the write policy wants kept gets a
         backup started (it is freed by a later call, once the copy landed, and
         counts toward ``n_pages`` here, so no more backups start than the
-        pages asked for); anything else is dropped with its host-only subtree.
+        pages asked for); anything else, and one whose backup could not start
+        (no host room, or the engine raised: counted), is dropped with its
+        host-only subtree.
         """
         victims = Victims(self.eviction.key, self.tree.device_nodes, self.device_evictable)
         freed = pending = 0  # pending: pages of the demotions started here, freed once they land
@@ -184,14 +181,24 @@ class Tiers:
             parent = node.parent
             if node.host is not None:
                 freed += self._demoted(node)
-            elif (self.engine is not None and self.writer.demote_on_evict(node)
-                  and self.start_backup([node], demotion=True)):
+            elif self.engine is not None and self.writer.demote_on_evict(node) and self._demote(node):
                 pending += len(node.device)  # (demoted_tokens counts it when it lands: poll)
                 continue
-            else:
+            elif self.device_evictable(node):  # (a storage hook called back meanwhile may have locked it)
                 freed += self.drop_subtree(node)
             victims.offer(parent)
+            self.flush_offers()
         return freed
+
+    def _demote(self, node: Node) -> bool:
+        """Start a demotion's backup; False where it cannot start (no room, or the engine raised:
+        counted and logged, the victim is then dropped instead)."""
+        try:
+            return self.start_backup([node], demotion=True)
+        except Exception as e:  # noqa: BLE001 - one failed copy must not stop eviction
+            self.metrics.backups_skipped["error"].inc()
+            logger.warning("a demotion of %d cached tokens was not started (dropped instead): %s", len(node), e)
+            return False
 
     def _demoted(self, node: Node) -> int:
         pages = self.tree.drop_device(node)
@@ -221,8 +228,11 @@ class Tiers:
 
     @staticmethod
     def host_evictable(node: Node) -> bool:
-        return (node.host is not None and node.host_ready and node.op is None and node.lock_ref == 0
-                and (node.device is not None or not node.children))
+        """Ready host copies with no op and no lock: of a ready device node, or of a host-only
+        leaf (never a stale node's: its host copy is the only valid one)."""
+        return (node.alive and node.host is not None and node.host_ready and node.op is None
+                and node.lock_ref == 0
+                and (node.device_ready if node.device is not None else not node.children))
 
     def evict_host(self, n_pages: int, keep_device_copies: bool = False) -> int:
         """Free up to ``n_pages`` host pages: host copies of device nodes (unless
@@ -239,16 +249,44 @@ class Tiers:
                 self.metrics.dropped_tokens.inc(len(node))
                 self.tree.remove(node)
                 victims.offer(parent)
+            self.flush_offers()  # the tree is settled: the hook may call back into the cache
         return freed
 
     def _free_host_of(self, node: Node) -> int:
-        if self.storage_hook is not None:
-            self.storage_hook.offer(list(node.hashes), tokens_of(node.host, self.ps))
-            self.metrics.storage_offered_pages.inc(len(node.host))
-        pages = self.tree.drop_host(node)
-        self.host_alloc.free_pages(pages)
+        """Take ``node``'s host pages from it: freed now, or, with a storage hook, queued to be
+        offered (:meth:`flush_offers`) and freed after that."""
+        hashes, pages = list(node.hashes), self.tree.drop_host(node)
         self.metrics.evicted_tokens["host"].inc(len(pages) * self.ps)
+        if self.storage_hook is None:
+            self.host_alloc.free_pages(pages)
+        else:
+            self.offers.append((hashes, pages))
         return len(pages)
+
+    def flush_offers(self) -> None:
+        """Offer the queued host pages to the storage hook, each page once, then free them.
+
+        Called once the tree is settled, so that ``offer`` may call back into the cache. A
+        nested call offers what its own evictions queued, up to :data:`MAX_OFFER_DEPTH` deep;
+        deeper, the offers wait for the loop below to come back to them (no recursion without
+        end where every offer evicts). A failing hook is counted and the pages freed all the same.
+        """
+        while self.offers and len(self.in_offer) < MAX_OFFER_DEPTH:
+            hashes, pages = self.offers.popleft()
+            self.in_offer.append(pages)
+            self.metrics.storage_offered_pages.inc(len(pages))
+            try:
+                self.storage_hook.offer(hashes, tokens_of(pages, self.ps))
+            except Exception as e:  # noqa: BLE001 - a storage tier's failure must not stop eviction
+                self.metrics.storage_offer_failures.inc()
+                logger.warning("the storage hook failed on %d host pages (freed all the same): %s", len(pages), e)
+            finally:
+                self.in_offer.pop()
+                self.host_alloc.free_pages(pages)
+
+    def held_for_offers(self) -> list[np.ndarray]:
+        """Host pages taken from the tree and not yet offered and freed (queued, or being offered)."""
+        return [pages for _, pages in self.offers] + self.in_offer
 
     # -- transfers ---------------------------------------------------------------
 
@@ -271,32 +309,50 @@ class Tiers:
         if host is None:
             self.metrics.backups_skipped["host_full"].inc()
             return False
-        op = self._issue(BACKUP, nodes, self.engine.backup, host, dev, self.host_alloc.free_pages, self.tree.set_host)
+        if any(not n.alive or n.host is not None or n.op is not None or n.device is None for n in nodes):
+            self.host_alloc.free_pages(host)  # a storage hook, called to make room, changed them
+            return False
+        op = self._issue(BACKUP, nodes, self.engine.backup, host, dev, lambda: self.host_alloc.free_pages(host),
+                         self.tree.set_host)
         op.demotion = demotion
         return True
 
     def start_load(self, nodes: list[Node]) -> Op | None:
-        """Prepare and issue a load of host-only nodes (top-down, on one path); None if no device room."""
+        """Prepare and issue a load of locked nodes that need one (top-down, on one path):
+        host-only ones into new device pages, stale ones into their own. None if no device room."""
         while self.inflight.full(LOAD):
             self.wait_oldest(LOAD)
-        host = concat([n.host for n in nodes])
-        dev = self.obtain_device(len(host))
-        if dev is None:
+        fresh = [n for n in nodes if n.device is None]
+        got = self.obtain_device(sum(len(n.host) for n in fresh))
+        if got is None:
             return None
-        self.owner[dev] = TREE
-        return self._issue(LOAD, nodes, self.engine.load, host, dev, self.release_device, self.tree.set_device)
+        self.owner[got] = TREE
+        dest, start = [], 0
+        for n in nodes:
+            if n.device is None:
+                dest.append(got[start:start + len(n.host)])
+                start += len(n.host)
+            else:
+                dest.append(n.device)  # stale: loaded again where the failed load wrote
+        host = concat([n.host for n in nodes])
+        return self._issue(LOAD, nodes, self.engine.load, host, concat(dest),
+                           lambda: self.release_device(got), self._place_load)
+
+    def _place_load(self, node: Node, pages: np.ndarray, ready: bool) -> None:
+        if node.device is None:
+            self.tree.set_device(node, pages, ready)
 
     def _issue(self, kind, nodes, transfer, host, dev, undo, place) -> Op:
         """Issue one transfer and record its destination pages on ``nodes`` as not ready.
 
-        On failure the destination pages are given back with ``undo`` and
+        On failure the pages taken for it are given back (``undo()``) and
         nothing else has changed.
         """
         issued = time.perf_counter()
         try:
             handle = transfer(tokens_of(host, self.ps), tokens_of(dev, self.ps))
         except BaseException:
-            undo(dev if kind == LOAD else host)
+            undo()
             raise
         op = Op(kind, list(nodes), handle, len(dev) * self.ps * self.token_bytes, issued)
         dest, start = (dev if kind == LOAD else host), 0
@@ -309,63 +365,90 @@ class Tiers:
         return op
 
     def poll(self) -> int:
-        """Complete every op whose transfer has finished; returns how many (failed ones too:
-        :meth:`_failed`)."""
+        """Complete every op whose transfer has finished, and retire every one that failed
+        (:meth:`_failed`); returns how many. Never raises for a transfer's failure."""
         done = self.inflight.take_done()
-        failed_loads = [op for op in done if op.error is not None and op.kind == LOAD]
         for op in done:
             if op.error is not None:
-                if op.kind == BACKUP:
-                    self._failed(op)
-                continue
-            seconds = op.seconds()
-            self.meters[op.kind].add(op.nbytes, seconds)
-            self.metrics.transfer_bytes[op.kind].inc(op.nbytes)
-            self.metrics.transfer_seconds[op.kind].inc(seconds)
-            self.metrics.transfers[op.kind].inc()
-            if op.demotion:  # counted once its copy landed: a failed one is retried, not done
-                self.metrics.demoted_tokens.inc(sum(len(n) for n in op.nodes))
-            for n in op.nodes:
-                n.op = None
-                if op.kind == BACKUP:
-                    n.host_ready = True
-                else:
-                    n.device_ready = True
-        if failed_loads:
-            # Every other op is completed first; the failed loads stay in flight (their pages
-            # may hold anything, and a request may be reading them): raised at every poll.
-            self.inflight.queues[LOAD].extendleft(reversed(failed_loads))
-            err = failed_loads[0].error
-            raise RuntimeError(f"a load in flight failed: {err}") from err
+                self._failed(op)
+            else:
+                self._completed(op)
+        self.reap_stale()
+        self.flush_offers()
         return len(done)
 
-    def _failed(self, op: Op) -> None:
-        """Retire a backup whose copies could not all be queued: once what was queued has run,
-        its host pages are freed and its nodes are as before it (their device pages, which it
-        read, are intact; a demotion is simply not done). kvtier's loads cannot fail this way:
-        their copies are all queued before the engine's ``load()`` returns, and an error there
-        raises from :meth:`_issue`, undone; a caller's engine whose load handle raises has it
-        raised by :meth:`poll`."""
-        settle = getattr(op.handle, "settle", None)  # an engine of the caller's may lack it
-        try:
-            settle() if settle is not None else op.handle.synchronize()
-        except Exception:  # noqa: BLE001 - the error is op.error already
-            pass
+    def _completed(self, op: Op) -> None:
+        seconds = op.seconds()
+        self.meters[op.kind].add(op.nbytes, seconds)
+        self.metrics.transfer_bytes[op.kind].inc(op.nbytes)
+        self.metrics.transfer_seconds[op.kind].inc(seconds)
+        self.metrics.transfers[op.kind].inc()
+        if op.demotion:  # counted once its copy landed: a failed one is not done
+            self.metrics.demoted_tokens.inc(sum(len(n) for n in op.nodes))
         for n in op.nodes:
             n.op = None
-            self.host_alloc.free_pages(self.tree.drop_host(n))
+            if op.kind == BACKUP:
+                n.host_ready = True
+            else:
+                n.device_ready = True
+
+    def _failed(self, op: Op) -> None:
+        """Retire a transfer that failed, once whatever it queued has run (nothing writes its
+        pages after that), counted and logged.
+
+        A backup: its host pages are freed and its nodes are as before it (their device pages,
+        which it read, are intact); a demotion's victim that nothing holds now is dropped, as
+        eviction drops a page it cannot demote, so the room asked for is freed all the same.
+        A load: its nodes keep their host copies and become stale (their device pages hold no
+        valid KV and are never served); a stale page is loaded again by the next ``load_back``
+        that needs it, or freed once nothing holds it (:meth:`reap_stale`). The requests waiting
+        on it are told by their :class:`~.inflight.CacheLoad`.
+        """
+        settle(op.handle)
         self.metrics.transfer_failures[op.kind].inc()
+        logger.warning("a %s of %d cached tokens failed: %s", op.kind, sum(len(n) for n in op.nodes), op.error)
+        for n in op.nodes:
+            n.op = None
+        if op.kind == LOAD:
+            self.stale.update(dict.fromkeys(op.nodes))
+            return
+        for n in op.nodes:
+            self.host_alloc.free_pages(self.tree.drop_host(n))
+        if op.demotion:
+            for n in op.nodes:
+                if self.device_evictable(n) and n.host is None:
+                    self.drop_subtree(n)
+
+    def reap_stale(self) -> int:
+        """Free the device pages of stale nodes that nothing holds (no lock, no device child);
+        returns how many pages."""
+        freed, changed = 0, True
+        while self.stale and changed:
+            changed = False
+            for n in list(self.stale):
+                if not (n.alive and n.stale):
+                    del self.stale[n]  # loaded again, evicted or cleared since
+                elif n.lock_ref == 0 and n.dev_children == 0:
+                    pages = self.tree.drop_device(n)
+                    self.release_device(pages)
+                    freed += len(pages)
+                    del self.stale[n]
+                    if n.parent.stale:  # the upper part of a split stale node, a leaf now
+                        self.stale[n.parent] = None
+                    changed = True
+        return freed
 
     def wait_oldest(self, kind: str | None = None) -> None:
+        """Block until the oldest transfer (of ``kind``) has run, then poll; a transfer that
+        raised is retired by that poll."""
         op = self.inflight.oldest(kind)
         if op is None:
             return
         t0 = time.perf_counter()
         try:
             op.handle.synchronize()
-        except Exception:  # noqa: BLE001 - a failed backup: poll() retires it (_failed)
-            if op.kind != BACKUP:
-                raise
+        except Exception as e:  # noqa: BLE001 - retired by the poll below (_failed)
+            op.error = op.error or e
         self.metrics.stall_seconds.inc(time.perf_counter() - t0)
         self.poll()
 
@@ -388,3 +471,4 @@ class Tiers:
             self.host_alloc.free_pages(pages)
             self.metrics.evicted_tokens["host"].inc(len(pages) * self.ps)
         self.metrics.dropped_tokens.inc(sum(len(n) for n in self.tree.nodes()))
+        self.stale.clear()

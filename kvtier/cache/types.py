@@ -45,15 +45,34 @@ class MatchResult:
 
 @dataclass(frozen=True)
 class LoadResult:
-    """Device slots of the whole matched prefix; attention for layer ``i`` calls ``layer_load.wait_layer(i)``."""
+    """Device slots of the whole matched prefix; attention for layer ``i`` calls ``layer_load.wait_layer(i)``
+    (a :class:`~.inflight.CacheLoad`: it raises :class:`LoadFailedError` once a load it waits on has failed)."""
 
     device_indices: torch.Tensor
     layer_load: LayerLoad
     loaded_tokens: int
 
 
+class LoadFailedError(RuntimeError):
+    """A load a request waits on failed: the request's device slots for the matched host part
+    hold no valid KV. The cache keeps the host copy and never serves those slots; the request
+    unlocks its match, then matches again (and loads the host part again, or recomputes it)."""
+
+
 class StorageHook:
-    """Where host eviction offers pages before freeing them (the L3 tier implements this)."""
+    """Where host eviction offers pages before freeing them (the L3 tier implements this).
+
+    ``offer`` is called under the cache's lock, in the thread that evicts. The cache is
+    settled first: the pages offered belong to no node and to no allocator while it runs (no
+    transfer writes them), so ``offer`` may call back into the cache (``evict_host`` to make
+    room, ``match_prefix``, ``page_hashes`` ...). Pages that a nested eviction takes are
+    offered from inside that call, up to a few calls deep, and after the current ``offer``
+    returns beyond that: either way each page is offered once, and freed only after its
+    ``offer`` returns. An exception from ``offer`` is counted
+    (``storage_offer_failures_total``) and logged; the pages are freed all the same.
+    ``offer`` must not wait for another thread that calls the cache (that thread waits for
+    the lock ``offer`` runs under).
+    """
 
     def offer(self, page_hashes: list[bytes], host_indices: torch.Tensor) -> None:
         """Called with the node's chained page hashes and host slots; the slots are freed on return."""

@@ -4,6 +4,7 @@ describe a model's KV shape."""
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 
@@ -14,12 +15,16 @@ from ..spec import KINDS, PRESETS, KVSpec, parse_dtype, preset
 
 class OutputPath(click.ParamType):
     """A file the command will write when it is done: refused up front, before any work, if it
-    is a directory or its directory does not exist or cannot be written ('' for none)."""
+    is a directory or its directory does not exist or cannot be written ('' for none).
+    ``stdout``: '-' names standard output (:func:`write_json`)."""
 
     name = "path"
 
+    def __init__(self, stdout: bool = False):
+        self.stdout = stdout
+
     def convert(self, value, param, ctx):
-        if value in (None, ""):
+        if value in (None, "") or (self.stdout and value == "-"):
             return value
         path = os.fspath(value)
         parent = os.path.dirname(os.path.abspath(path))
@@ -46,16 +51,38 @@ class OutputPath(click.ParamType):
 
 
 OUTPUT_PATH = OutputPath()
+JSON_PATH = OutputPath(stdout=True)
+JSON_HELP = "Write the results as JSON here ('-': to stdout, and the tables to stderr)."
+
+
+def echo_for(json_path):
+    """``click.echo`` for a command's tables and notes: to stderr where its JSON goes to stdout."""
+    return functools.partial(click.echo, err=json_path == "-")
+
+
+def write_json(path: str, doc, said: str = "wrote {}", flag: str = "--json", **dump_kw) -> None:
+    """Write ``doc`` as JSON to ``path`` ('-': stdout), then echo ``said`` (a file's name in
+    it); a one-line click error naming ``flag`` where it cannot be written (/dev/full)."""
+    text = json.dumps(doc, **dump_kw)
+    if path == "-":
+        click.echo(text)
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise click.ClickException(f"cannot write {flag} {path}: {e.strerror or e}") from None
+    click.echo(said.format(path))
 
 
 class FiniteFloat(click.ParamType):
-    """A finite float of at least ``low`` (more than it where ``strict``): click's FloatRange
-    lets nan and inf through."""
+    """A finite float of at least ``low`` (more than it where ``strict``) and at most ``high``:
+    click's FloatRange lets nan and inf through."""
 
     name = "float"
 
-    def __init__(self, low: float = 0.0, strict: bool = False):
-        self.low, self.strict = low, strict
+    def __init__(self, low: float = 0.0, strict: bool = False, high: float = math.inf):
+        self.low, self.strict, self.high = low, strict, high
 
     def convert(self, value, param, ctx):
         try:
@@ -65,10 +92,11 @@ class FiniteFloat(click.ParamType):
         if not math.isfinite(x) or x < self.low or (self.strict and x == self.low):
             self.fail(f"{value!r}: give a finite number {'above' if self.strict else 'of at least'} {self.low:g}",
                       param, ctx)
+        if x > self.high:
+            self.fail(f"{value!r} is more than any machine has: give at most {self.high:.3g}", param, ctx)
         return x
 
 
-FINITE_NONNEGATIVE = FiniteFloat(0.0)
 FINITE_POSITIVE = FiniteFloat(0.0, strict=True)
 
 # What a figure can be written as: matplotlib takes the format from the name (it writes a name

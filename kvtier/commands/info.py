@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import click
 import torch
 
 from ..layouts import LAYOUTS, SUPPORTED
-from ..memory import GB, LIMIT_ENV, check_host_memory, host_memory, huge_pages_default, huge_pages_note, thp_mode
+from ..memory import (GB, LIMIT_ENV, MAX_GB, check_host_memory, host_memory, huge_pages_default, huge_pages_note,
+                      layer_objects_bytes, thp_mode)
 from ..spec import KVSpec
-from . import FINITE_NONNEGATIVE, OUTPUT_PATH, shape_options
+from . import JSON_HELP, JSON_PATH, FiniteFloat, echo_for, shape_options, write_json
 
 
 def layout_rows(spec: KVSpec, page_size: int) -> list[dict]:
@@ -19,13 +19,9 @@ def layout_rows(spec: KVSpec, page_size: int) -> list[dict]:
     rows = []
     for name in SUPPORTED[spec.kind]:
         lay = LAYOUTS[name]
-        pieces = 0
-        largest = 0
-        for c in spec.components:
-            pl = lay.placement(c, spec.layer_num, page_size * 2, page_size)
-            runs = pl.page_pieces(0)
-            pieces += len(runs)
-            largest = max(largest, max(n for _, n in runs))
+        placements = [lay.placement(c, spec.layer_num, page_size * 2, page_size) for c in spec.components]
+        pieces = sum(pl.pieces_per_page for pl in placements)  # counted: a model may have any number of layers
+        largest = max(pl.piece_bytes for pl in placements)
         rows.append({
             "layout": name,
             "bytes_per_token": spec.bytes_per_token,
@@ -79,27 +75,30 @@ def roundtrip(spec: KVSpec, page_size: int, tokens: int, reserve: int | None) ->
 @click.command()
 @shape_options
 @click.option("--page-size", type=click.IntRange(min=1), default=64, show_default=True, help="Tokens per page.")
-@click.option("--reserve-gb", type=FINITE_NONNEGATIVE, default=None,
+@click.option("--reserve-gb", type=FiniteFloat(0.0, high=MAX_GB), default=None,
               help="Host memory to leave free (default 10 GiB, or KVTIER_HOST_RESERVE_GB).")
 @click.option("--roundtrip/--no-roundtrip", default=False, show_default=True,
               help="Also run a CPU round trip device -> host -> device and check every byte.")
 @click.option("--roundtrip-tokens", type=click.IntRange(min=1), default=4096, show_default=True)
-@click.option("--json", "json_path", type=OUTPUT_PATH, default=None, help="Write the numbers as JSON.")
+@click.option("--json", "json_path", type=JSON_PATH, default=None, help=JSON_HELP)
 def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_tokens: int, json_path) -> None:
     """Bytes per token per tier and layout, and how many tokens the host tier holds here."""
     reserve = None if reserve_gb is None else int(reserve_gb * GB)
     huge_pages_default()  # a bad KVTIER_HOST_HUGE_PAGES is refused before the table, not after it
     mem = host_memory(reserve)
-    if roundtrip:  # its CPU device pool and host pool of twice the tokens, and a copy of them
+    if roundtrip:  # its CPU device pool and a host pool per layout of twice the tokens, and a copy of them
         rt_tokens = max(page_size, roundtrip_tokens // page_size * page_size)
+        objects = layer_objects_bytes(spec.layer_num, len(spec.components)) * (1 + len(SUPPORTED[spec.kind]))
         try:
-            check_host_memory(5 * rt_tokens * spec.bytes_per_token, reserve,
-                              f"--roundtrip-tokens {roundtrip_tokens:,}", "Lower --roundtrip-tokens.")
+            check_host_memory(5 * rt_tokens * spec.bytes_per_token + objects, reserve,
+                              f"--roundtrip-tokens {roundtrip_tokens:,} of a model of {spec.layer_num:,} layers",
+                              "Lower --roundtrip-tokens.")
         except MemoryError as e:
             raise click.UsageError(str(e)) from None
-    fits = mem.available // spec.bytes_per_token
-    rows = _echo_tiers(spec, page_size)
-    _echo_host(mem, fits, page_size)
+    fits = mem.available // spec.bytes_per_token // page_size * page_size  # whole pages
+    echo = echo_for(json_path)
+    rows = _echo_tiers(spec, page_size, echo)
+    _echo_host(mem, fits, page_size, echo)
     out = {
         "model": spec.name, "kind": spec.kind, "describe": spec.describe(),
         "bytes_per_token": spec.bytes_per_token,
@@ -110,56 +109,58 @@ def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_to
         "huge_pages": huge_pages_default(), "transparent_huge_pages": thp_mode(),
     }
     if roundtrip:
-        click.echo("")
-        rt = _roundtrip_or_exit(spec, page_size, roundtrip_tokens, reserve)
-        click.echo(f"CPU round trip: {rt['tokens']} tokens ({rt['bytes'] / 2**20:.1f} MiB) "
-                   "device -> host -> other device slots")
-        for layout, r in rt["layouts"].items():
-            verdict = "identical" if r["identical"] else "MISMATCH"
-            click.echo(f"  {layout:<12} {verdict:<10} backup {r['backup_gbps']:6.2f} GB/s   "
-                       f"load {r['load_gbps']:6.2f} GB/s   host pool in huge pages {r['huge_page_share']:.0%}")
-        out["roundtrip"] = rt
-        if not all(r["identical"] for r in rt["layouts"].values()):
-            raise click.ClickException("round trip changed bytes")
+        out["roundtrip"] = _echo_roundtrip(spec, page_size, roundtrip_tokens, reserve, echo)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(out, f, indent=2)
-        click.echo(f"wrote {json_path}")
+        write_json(json_path, out, indent=2)
 
 
-def _echo_tiers(spec: KVSpec, page_size: int) -> list[dict]:
+def _echo_roundtrip(spec: KVSpec, page_size: int, tokens: int, reserve, echo) -> dict:
+    """Run :func:`roundtrip` and print what it found; a click error where bytes changed."""
+    echo("")
+    rt = _roundtrip_or_exit(spec, page_size, tokens, reserve)
+    echo(f"CPU round trip: {rt['tokens']} tokens ({rt['bytes'] / 2**20:.1f} MiB) device -> host -> other device slots")
+    for layout, r in rt["layouts"].items():
+        verdict = "identical" if r["identical"] else "MISMATCH"
+        echo(f"  {layout:<12} {verdict:<10} backup {r['backup_gbps']:6.2f} GB/s   "
+             f"load {r['load_gbps']:6.2f} GB/s   host pool in huge pages {r['huge_page_share']:.0%}")
+    if not all(r["identical"] for r in rt["layouts"].values()):
+        raise click.ClickException("round trip changed bytes")
+    return rt
+
+
+def _echo_tiers(spec: KVSpec, page_size: int, echo=click.echo) -> list[dict]:
     """Print the model's bytes per token and page, and the table of tiers and host layouts;
     return the layouts' rows (:func:`layout_rows`)."""
-    click.echo(f"model      {spec.name}: {spec.describe()}")
+    echo(f"model      {spec.name}: {spec.describe()}")
     for c in spec.components:
-        click.echo(f"  {c.name:<8} {c.item_bytes:>8,} B per token per layer")
-    click.echo(f"  total    {spec.bytes_per_token_per_layer:>8,} B per token per layer, "
-               f"{spec.bytes_per_token:,} B per token ({spec.bytes_per_token / 1024:.1f} KiB)")
-    click.echo(f"  page     {page_size} tokens = {spec.bytes_per_token * page_size / 2**20:.2f} MiB")
-    click.echo("")
-    click.echo("tier  layout        bytes/token  pieces/page  largest piece  note")
-    click.echo(f"L1    device        {spec.bytes_per_token:>11,}  {len(spec.components) * spec.layer_num:>11}  "
-               f"{page_size * max(c.item_bytes for c in spec.components):>13,}  per-layer GPU buffers")
+        echo(f"  {c.name:<8} {c.item_bytes:>8,} B per token per layer")
+    echo(f"  total    {spec.bytes_per_token_per_layer:>8,} B per token per layer, "
+         f"{spec.bytes_per_token:,} B per token ({spec.bytes_per_token / 1024:.1f} KiB)")
+    echo(f"  page     {page_size} tokens = {spec.bytes_per_token * page_size / 2**20:.2f} MiB")
+    echo("")
+    echo("tier  layout        bytes/token  pieces/page  largest piece  note")
+    echo(f"L1    device        {spec.bytes_per_token:>11,}  {len(spec.components) * spec.layer_num:>11}  "
+         f"{page_size * max(c.item_bytes for c in spec.components):>13,}  per-layer GPU buffers")
     rows = layout_rows(spec, page_size)
     for r in rows:
-        click.echo(f"L2    {r['layout']:<12}  {r['bytes_per_token']:>11,}  {r['pieces_per_page']:>11}  "
-                   f"{r['largest_piece']:>13,}  {r['about']}")
-    click.echo("")
+        echo(f"L2    {r['layout']:<12}  {r['bytes_per_token']:>11,}  {r['pieces_per_page']:>11}  "
+             f"{r['largest_piece']:>13,}  {r['about']}")
+    echo("")
     return rows
 
 
-def _echo_host(mem, fits: int, page_size: int) -> None:
+def _echo_host(mem, fits: int, page_size: int, echo=click.echo) -> None:
     """Print the host memory ``mem`` (:class:`~kvtier.memory.HostMemory`) and which limit counts,
-    the host tier's capacity here (``fits`` tokens), and the huge-page note."""
+    the host tier's capacity here (``fits`` tokens, whole pages), and the huge-page note."""
     source = "cgroup limit" if mem.cgroup_limit is not None else "host limit"
     if mem.limit is not None:
         source += f"; {LIMIT_ENV}={mem.limit / GB:g} in place of the OS's available memory"
-    click.echo(f"host memory: {mem.total / GB:.1f} GB total, {mem.available / GB:.1f} GB usable "
-               f"after a {mem.reserve / GB:.1f} GB reserve ({source}"
-               + (f", cgroup limit {mem.cgroup_limit / GB:.1f} GB" if mem.cgroup_limit else "")
-               + (f" at {mem.cgroup_path}" if mem.cgroup_limit and mem.cgroup_path else "") + ")")
-    click.echo(f"host tier capacity here: {fits:,} tokens ({fits // page_size:,} pages of {page_size})")
-    click.echo(huge_pages_note())
+    echo(f"host memory: {mem.total / GB:.1f} GB total, {mem.available / GB:.1f} GB usable "
+         f"after a {mem.reserve / GB:.1f} GB reserve ({source}"
+         + (f", cgroup limit {mem.cgroup_limit / GB:.1f} GB" if mem.cgroup_limit else "")
+         + (f" at {mem.cgroup_path}" if mem.cgroup_limit and mem.cgroup_path else "") + ")")
+    echo(f"host tier capacity here: {fits:,} tokens ({fits // page_size:,} pages of {page_size})")
+    echo(huge_pages_note())
 
 
 def _roundtrip_or_exit(spec, page_size, tokens, reserve):

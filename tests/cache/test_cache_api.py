@@ -223,7 +223,7 @@ def test_combined_load_waits_for_and_finishes_with_every_part():
     """Several loads seen as one (a prefix spread over host runs): ``wait`` and the engine's
     ``_finished`` follow every part, not the empty base handle (they used to say done at once)."""
     from cache_testlib import HeldTransferEngine
-    from kvtier.cache.inflight import CombinedLayerLoad
+    from kvtier.cache.inflight import LOAD, CacheLoad, Op
     from kvtier.device_pool import pool_from_spec
     from kvtier.host_pool import host_pool_for
     from kvtier.spec import KVSpec
@@ -232,7 +232,9 @@ def test_combined_load_waits_for_and_finishes_with_every_part():
     host = host_pool_for(dev, "layer_first", host_size_tokens=64)
     eng = HeldTransferEngine(host)
     parts = [eng.load(torch.arange(0, 4), torch.arange(0, 4)), eng.load(torch.arange(8, 12), torch.arange(8, 12))]
-    both = CombinedLayerLoad(parts)
+    both = CacheLoad([Op(LOAD, [], p, p.nbytes, 0.0) for p in parts], 2)
     assert not both._finished() and not both.done()
+    both.wait()
+    assert all(p.done() for p in parts) and both._finished() and both.done() and not both.failed
     both.wait()
     assert all(p.done() for p in parts) and both._finished() and both.done()

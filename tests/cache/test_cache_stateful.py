@@ -2,9 +2,9 @@
 
 Random interleavings of requests (match, lock, load-back, compute, insert,
 unlock), aborts, evictions, transfer completions in random order, polls,
-slot hogs, backups that fail, and clear(), over every kind, several layouts, page sizes, write
-and eviction policies, with and without a host tier. Checked after every
-step:
+slot hogs, backups and loads that fail, and clear(), over every kind, several layouts, page
+sizes, write and eviction policies, with and without a host tier. Checked after every
+step (and by ``HiCache.check()``):
 
 - every device-ready cached page holds the KV bytes of its own tokens
   (bytes derive from the namespace and the whole prefix), and so does
@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from cache_testlib import HeldTransferEngine, common_pages, kv_matches, kv_values, write_kv
 from kvtier_testlib import make_device_pool, make_host_pool
-from kvtier.cache import CacheConfig, HiCache
+from kvtier.cache import CacheConfig, HiCache, LoadFailedError, StorageHook
 
 KINDS_LAYOUTS = [("mha", "layer_first"), ("mha", "page_first"), ("mha", "page_head"),
                  ("mla", "layer_first"), ("mla", "page_first"), ("dsa", "layer_first")]
@@ -41,6 +41,22 @@ class Request:
         self.ns, self.seq, self.m = ns, seq, match
         self.prefix = match.device_indices  # slots holding KV of seq[:len(prefix)]
         self.load = None
+
+
+class CallingBack(StorageHook):
+    """Finds the cache whole while it runs (check()), then at random evicts from inside the
+    offer, as a storage tier making room would, or fails."""
+
+    def __init__(self, machine):
+        self.m = machine
+
+    def offer(self, page_hashes, host_indices):
+        cache, rng = self.m.cache, self.m.rng
+        cache.check()
+        if rng.random() < 0.3:
+            cache.evict_host(cache.page_size)
+        if rng.random() < 0.2:
+            raise OSError("the storage tier is down")
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -59,7 +75,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.engine = HeldTransferEngine(self.host) if with_host else None
         cfg = CacheConfig(page_size=ps, write_policy=write, selective_hits=2, eviction=eviction,
                           max_inflight_backups=3, max_inflight_loads=2)
-        self.cache = HiCache(self.dev, self.host, cfg, transfer_engine=self.engine)
+        self.cache = HiCache(self.dev, self.host, cfg, transfer_engine=self.engine,
+                             storage_hook=CallingBack(self) if with_host else None)
         self.dev_initial = self.cache.tiers.device_alloc.available_pages()
         self.host_initial = self.host.allocator.available_pages() if with_host else 0
         self.inserted: list[tuple[str, tuple, float]] = []
@@ -122,8 +139,12 @@ class CacheMachine(RuleBasedStateMachine):
     def finish_request(self, data):
         req = self.requests.pop(data.draw(st.integers(0, len(self.requests) - 1)))
         if req.load is not None:
-            for layer in range(self.dev.layer_num):
-                req.load.wait_layer(layer)
+            try:
+                for layer in range(self.dev.layer_num):
+                    req.load.wait_layer(layer)
+            except LoadFailedError:
+                self.cache.unlock(req.m.node)  # told: it would match again, or recompute
+                return
         vals = self.values(req.ns, req.seq)
         p, L = len(req.prefix), len(req.seq)
         assert kv_matches(self.dev, req.prefix, vals[:p])
@@ -169,6 +190,17 @@ class CacheMachine(RuleBasedStateMachine):
         """The next backup fails as one the background thread could not queue."""
         self.engine.fail_backups += 1
 
+    @precondition(lambda self: self.host is not None)
+    @rule()
+    def fail_next_load(self):
+        """The next load fails partway (layer 0 only), as a caller's engine's may."""
+        self.engine.fail_loads += 1
+
+    @precondition(lambda self: self.host is not None)
+    @rule()
+    def fail_next_backup_on_release(self):
+        self.engine.fail_released_backups += 1
+
     @rule()
     def poll(self):
         self.cache.poll()
@@ -207,6 +239,10 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.host.allocator.available_pages() == self.host_initial
 
     # -- invariants ------------------------------------------------------------------
+
+    @invariant()
+    def checked(self):
+        self.cache.check()
 
     @invariant()
     def accounting(self):
@@ -261,6 +297,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.free_device(h)
         self.requests, self.hogs = [], []
         self.cache.clear()
+        self.cache.check()
         assert self.cache.tiers.device_alloc.available_pages() == self.dev_initial
         assert (self.cache.tiers.owner == 0).all()
         if self.host is not None:

@@ -80,6 +80,7 @@ def test_schedulers_and_completer_threads(write_policy):
         raise errors[0]
     engine.release()
     cache.poll()
+    cache.check()
     t = cache.tiers
     assert t.device_alloc.available_pages() + cache.tree.device_pages == t.device_alloc.num_pages
     assert host.allocator.available_pages() + cache.tree.host_pages == host.allocator.num_pages
