@@ -21,7 +21,6 @@ from a directory without the pages; ``--cold`` also writes the page cache back a
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
@@ -33,7 +32,7 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
-from ..commands import FIGURE_PATH, OUTPUT_PATH, distinct_outputs
+from ..commands import FIGURE_PATH, JSON_HELP, JSON_PATH, distinct_outputs, echo_for, write_json
 from ..spec import PRESETS, preset
 from ..storage import backend_class
 from ..storage.format import HEADER_BYTES, PageCodec, StorageSalt, read_header, store_key
@@ -273,7 +272,7 @@ def plot(rows: list[dict], path: str) -> None:
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Samples (median taken).")
 @click.option("--cold", is_flag=True, help="Drop the page cache before every read (both sides).")
 @click.option("--no-tier", is_flag=True, help="Skip the save/prefetch rows (host pool <-> store).")
-@click.option("--json", "json_path", type=OUTPUT_PATH, default=None, help="Write rows as JSON.")
+@click.option("--json", "json_path", type=JSON_PATH, default=None, help=JSON_HELP)
 @click.option("--plot", "plot_path", type=FIGURE_PATH, default=None, help="Write a bar chart of the ratios.")
 def storage(backends, workdir, model, page_sizes, pages, repeats, cold, no_tier, json_path, plot_path) -> None:
     """Put and get GB/s of a store through kvtier (checksum on) against the raw store, same run."""
@@ -289,11 +288,10 @@ def storage(backends, workdir, model, page_sizes, pages, repeats, cold, no_tier,
         rows = run(list(backends), workdir, model, list(page_sizes), pages, repeats, cold, not no_tier)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    click.echo(table(rows))
+    echo = echo_for(json_path)
+    echo(table(rows))
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=2)
-        click.echo(f"wrote {json_path}")
+        write_json(json_path, rows, indent=2)
     if plot_path:
         plot(rows, plot_path)
-        click.echo(f"wrote {plot_path}")
+        echo(f"wrote {plot_path}")

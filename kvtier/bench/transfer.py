@@ -14,7 +14,6 @@ and every name of those is importable from here too.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict
@@ -22,7 +21,7 @@ from dataclasses import asdict
 import click
 import torch
 
-from ..commands import FIGURE_PATH, OUTPUT_PATH, distinct_outputs
+from ..commands import FIGURE_PATH, JSON_HELP, JSON_PATH, distinct_outputs, echo_for, write_json
 from ..layouts import SUPPORTED
 from ..memory import LIMIT_ENV, RESERVE_ENV, check_host_memory, huge_pages_default, huge_pages_note
 from ..transfer.factory import IO_BACKENDS, Backends
@@ -74,7 +73,7 @@ def table(rows: list[Row]) -> str:
               help="host pool size, in transfers, for --slots spread")
 @click.option("--quick", is_flag=True, help="tiny shapes (4 layers, 256 tokens): a smoke test for CI")
 @click.option("--verbose", is_flag=True, help="print every row as it is measured")
-@click.option("--json", "json_path", type=OUTPUT_PATH, help="write the rows as JSON here")
+@click.option("--json", "json_path", type=JSON_PATH, help=JSON_HELP + " A file is rewritten after every row.")
 @click.option("--plot", "plot_path", type=FIGURE_PATH,
               help="draw every row's ratio against the targets here (PNG)")
 def transfer(tokens, reps, rounds, backends, kinds, page_sizes, layouts, slots, spread, quick, verbose, json_path,
@@ -166,7 +165,7 @@ def _check_memory(kinds, tokens: int, slots, spread: int, layers: int | None) ->
 def _saver(verbose: bool, json_path, start: float):
     """The ``on_row`` of :func:`run_bench` for the command: each row logged to stderr where
     ``verbose`` (seconds since ``start``, and what the sweep reports besides GB/s), and every
-    row so far written to ``json_path`` where given."""
+    row so far written to ``json_path`` where it is a file (to stdout, '-', once at the end)."""
 
     def save(rows, groups=None, picks=None, final=False, samples="", rounds=None, pair="", huge=None, ends=None):
         if verbose and final:
@@ -175,9 +174,8 @@ def _saver(verbose: bool, json_path, start: float):
         elif verbose:
             click.echo(_row_line(rows[-1], time.perf_counter() - start, groups, picks, samples, rounds, pair, huge),
                        err=True)
-        if json_path:
-            with open(json_path, "w") as f:
-                json.dump([asdict(r) for r in rows], f, indent=1)
+        if json_path and json_path != "-":
+            write_json(json_path, [asdict(r) for r in rows], said="", indent=1)
     return save
 
 
@@ -207,12 +205,15 @@ def _report(rows: list[Row], tokens: int, verbose: bool, json_path, plot_path, s
             click.echo(f"trial load, {pl.layer_num} layers of {pl.chunk_bytes} B rows {pl.token} B apart, "
                        f"{2 ** key[2] // 2}+ slots, {group} layers per copy: {rate:.1f} GB/s", err=True)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    click.echo(f"\n{dev}, {tokens} tokens per transfer; cells are GB/s and ratio to the contiguous limit")
-    click.echo(huge_pages_note())
-    click.echo(table(rows))
-    if json_path:
-        click.echo(f"wrote {len(rows)} rows to {json_path}")
+    echo = echo_for(json_path)
+    echo(f"\n{dev}, {tokens} tokens per transfer; cells are GB/s and ratio to the contiguous limit")
+    echo(huge_pages_note())
+    echo(table(rows))
+    if json_path == "-":
+        write_json(json_path, [asdict(r) for r in rows], indent=1)
+    elif json_path:
+        echo(f"wrote {len(rows)} rows to {json_path}")
     if plot_path:
         from .transfer_plot import plot_transfer
         plot_transfer(rows, plot_path, f"kvtier bench transfer: {dev}, {tokens} tokens per transfer")
-        click.echo(f"wrote the figure to {plot_path}")
+        echo(f"wrote the figure to {plot_path}")

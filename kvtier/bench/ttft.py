@@ -19,7 +19,6 @@ TTFT``, which shows the loads overlap the forward pass.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -27,7 +26,7 @@ import time
 import click
 import torch
 
-from ..commands import OUTPUT_PATH, check_engine_flags
+from ..commands import JSON_HELP, JSON_PATH, check_engine_flags, echo_for, write_json
 from ..engine import Engine, EngineConfig, Sequence, llama3_8b, tiny
 from ..engine.config import INPUT_COPIES
 from ..engine.engine import make_model
@@ -227,7 +226,7 @@ def table(doc: dict) -> str:
 @click.option("--inputs", type=click.Choice(INPUT_COPIES), default="sms", show_default=True,
               help="how the engine copies each step's inputs to the GPU (EngineConfig.inputs): sms, or "
                    "pinned / pageable copy-engine copies, to see what an engine that copies them so gets")
-@click.option("--json", "json_path", type=OUTPUT_PATH, default=None)
+@click.option("--json", "json_path", type=JSON_PATH, default=None, help=JSON_HELP)
 def ttft(model_name, contexts, new_tokens, repeats, device, io_backends, layout, page_size, seed, inputs, json_path):
     """TTFT of a host-tier prefix hit against recomputing the prefix (and a device hit)."""
     contexts = DEFAULT_CONTEXTS[model_name] if contexts is None else contexts
@@ -250,12 +249,11 @@ def ttft(model_name, contexts, new_tokens, repeats, device, io_backends, layout,
         doc = run(model_name, lengths, new_tokens, repeats, device, backends, layout, page_size, seed, inputs=inputs)
     except MemoryError as e:
         raise click.ClickException(str(e)) from None
-    click.echo("")
-    click.echo(table(doc))
+    echo = echo_for(json_path)
+    echo("")
+    echo(table(doc))
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(doc, f, indent=2, default=str)
-        click.echo(f"json: {json_path}")
+        write_json(json_path, doc, said="json: {}", indent=2, default=str)
     differ = [r for r in doc["rows"] if r["first_tokens_equal"] != r["first_tokens_compared"]]
     if differ:
         raise click.ClickException(

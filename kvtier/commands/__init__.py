@@ -62,7 +62,8 @@ def echo_for(json_path):
 
 def write_json(path: str, doc, said: str = "wrote {}", flag: str = "--json", **dump_kw) -> None:
     """Write ``doc`` as JSON to ``path`` ('-': stdout), then echo ``said`` (a file's name in
-    it); a one-line click error naming ``flag`` where it cannot be written (/dev/full)."""
+    it; '' for nothing); a one-line click error naming ``flag`` where it cannot be written
+    (/dev/full)."""
     text = json.dumps(doc, **dump_kw)
     if path == "-":
         click.echo(text)
@@ -72,7 +73,8 @@ def write_json(path: str, doc, said: str = "wrote {}", flag: str = "--json", **d
             f.write(text)
     except OSError as e:
         raise click.ClickException(f"cannot write {flag} {path}: {e.strerror or e}") from None
-    click.echo(said.format(path))
+    if said:
+        click.echo(said.format(path))
 
 
 class FiniteFloat(click.ParamType):
