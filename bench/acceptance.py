@@ -20,9 +20,9 @@ import sys
 
 
 def _targets():
-    """kvtier.bench.targets read from this checkout's file: the tables need no torch (importing
-    the kvtier package would load it); only --plot imports kvtier itself."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kvtier", "bench", "targets.py")
+    """The targets in kvtier/bench/transfer_plot.py, read from this checkout's file: the tables need no
+    torch (importing the kvtier package would load it); only --plot imports kvtier itself."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kvtier", "bench", "transfer_plot.py")
     spec = importlib.util.spec_from_file_location("kvtier_bench_targets", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -17,6 +17,8 @@ BENCH_COMMANDS = {
     "ttft": ("kvtier.bench.ttft", "ttft"),
     "transfer": ("kvtier.bench.transfer", "transfer"),
     "cache": ("kvtier.bench.cache", "cache"),
+    "storage": ("kvtier.bench.storage", "storage"),
+    "vllm-worker": ("kvtier.bench.transfer_cases", "vllm_worker"),
 }
 
 

@@ -13,7 +13,7 @@ signals.
 
 This module holds the kind classes and :func:`host_pool_for`, and is where every name of
 the host pools is imported from; the rest lives in :mod:`kvtier.host_base`
-(:class:`HostKVCache`), :mod:`kvtier.host_pages` (its page interface) and
+(:class:`HostKVCache` and its page interface) and
 :mod:`kvtier.host_checks` (argument and index checks, the seed's module-level helpers).
 """
 
@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from .host_base import HostKVCache, logger  # noqa: F401
+from .host_base import HostKVCache, HostPages, logger  # noqa: F401
 from .host_checks import (_as_index_tensor, _check_page_size, _check_range, _int_value, _numpy,  # noqa: F401
                           _pool_device, _size_in_pages, get_available_host_memory_bytes,
                           get_cgroup_memory_limit_and_current, spec_of, synchronized)
-from .host_pages import HostPages
 from .spec import DSA, MHA, MLA, KVSpec
 
 class MHATokenToKVPoolHost(HostKVCache):

@@ -25,7 +25,7 @@ from ..commands import FIGURE_PATH, JSON_HELP, JSON_PATH, distinct_outputs, echo
 from ..layouts import SUPPORTED
 from ..memory import LIMIT_ENV, RESERVE_ENV, check_host_memory, huge_pages_default, huge_pages_note
 from ..transfer.factory import IO_BACKENDS, Backends
-from .targets import ratio_text
+from .transfer_plot import ratio_text
 from .transfer_cases import (DIRECTIONS, HOST_SLOTS, PAGE_SIZES, SHAPES, SLOT_KINDS, SLOW_S,  # noqa: F401
                              SPREAD_POOL, Case, Clock, Row, _gb, _synced, _with_limits, asdict_spec,
                              contiguous_limit, host_bytes_needed, load_groups, measure, pair, pair_note,

@@ -336,3 +336,75 @@ def load_groups(backend) -> list[int] | None:
             return None
         backend = backend.dma
     return getattr(backend, "last_groups", None)
+
+
+# -- kvtier bench vllm-worker: the vLLM spec's worker on blocks in vLLM's KV layout ----------------
+
+def _vllm_blocks(layers: int, blocks: int, heads: int, block_size: int, head_dim: int, dtype, device):
+    """vLLM 0.32's KV cache as allocated for offloading (``LBHNC``: one buffer, per layer a
+    ``(num_blocks, heads, block_size, 2 * head_dim)`` view), random, and the worker's int8 views."""
+    buf = torch.empty((layers, blocks, heads, block_size, 2 * head_dim), dtype=dtype, device=device)
+    buf.view(torch.uint8).random_(0, 256)
+    return buf, [buf[i].view(torch.int8).view(blocks, -1) for i in range(layers)]
+
+
+@click.command("vllm-worker")
+@click.option("--layers", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--kv-heads", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--head-dim", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True,
+              help="tokens per vLLM block (FlashAttention's default)")
+@click.option("--dtype", default="bf16", show_default=True)
+@click.option("--blocks", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="blocks per transfer: scattered on the device, host chunks as the manager hands them out")
+@click.option("--io-backend", default=None, help="direct | kernel | dma | auto (default: auto on CUDA)")
+@click.option("--reps", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the rows as JSON")
+def vllm_worker(layers, kv_heads, head_dim, block_size, dtype, blocks, io_backend, reps, json_path) -> None:
+    """GB/s of kvtier's vLLM spec worker storing and loading blocks in vLLM's KV layout, against one
+    contiguous copy of the same bytes each way in the same run (the limit); checks every byte."""
+    import itertools
+    from collections import namedtuple
+
+    from ..commands import write_json
+    from ..integrations.vllm import KvtierPages, KvtierWorker
+    from ..spec import parse_dtype
+
+    cuda = torch.cuda.is_available()
+    try:
+        dt = parse_dtype(dtype)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--dtype") from None
+    buf, views = _vllm_blocks(layers, 2 * blocks, kv_heads, block_size, head_dim, dt, "cuda" if cuda else "cpu")
+    worker = KvtierWorker(views, 1, blocks, io_backend)
+    gpu = namedtuple("GPULoadStoreSpec", "block_ids group_sizes block_indices")  # vLLM's fields
+    perm = torch.randperm(2 * blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    src, dst, host = perm[:blocks], perm[blocks:], KvtierPages(range(blocks))
+    jobs, clock = itertools.count(), Clock(cuda)
+
+    def move(store: bool, dev) -> None:
+        job = next(jobs)
+        (worker.submit_store(job, gpu(dev, [blocks], [0]), host) if store
+         else worker.submit_load(job, host, gpu(dev, [blocks], [0])))
+        worker.wait({job})
+        worker.get_finished()
+    nbytes = blocks * layers * views[0].shape[1]
+    limit = contiguous_limit(nbytes, clock, reps)
+    warmup = max(1, getattr(worker.mover.engine.backend, "settling_transfers", 1))
+    rows = [{"direction": name, "backend": worker.mover.engine.io_backend, "gib": nbytes / 2**30,
+             "gbps": (g := nbytes / clock.median(lambda: move(store, src), reps, warmup) / 1e9),
+             "limit_gbps": limit[key], "ratio": g / limit[key]}
+            for name, store, key in (("store", True, "backup"), ("load", False, "load"))]
+    move(False, dst)
+    exact = bool(torch.equal(buf[:, dst].view(torch.uint8), buf[:, src].view(torch.uint8)))  # bytes: NaNs too
+    worker.shutdown()
+    click.echo(f"vLLM worker, {layers} layers x {kv_heads} KV heads x {head_dim} ({dtype}), {block_size}-token "
+               f"blocks: {blocks} blocks ({nbytes / 2**30:.2f} GiB) a transfer, {'CUDA' if cuda else 'CPU'}")
+    for r in rows:
+        click.echo(f"  {r['direction']:<6} {r['backend']:<7} {r['gbps']:7.2f} GB/s   contiguous limit "
+                   f"{r['limit_gbps']:7.2f} GB/s   ratio {r['ratio']:.3f}")
+    click.echo(f"  bytes after a store and a load: {'exact' if exact else 'DIFFERENT'}")
+    if json_path:
+        write_json(json_path, {"rows": rows, "bytes_exact": exact, "cuda": cuda}, indent=2)
+    if not exact:
+        raise SystemExit(1)

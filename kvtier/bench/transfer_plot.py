@@ -1,18 +1,43 @@
-"""A figure of ``kvtier bench transfer`` rows: every backend's ratio to the limit, against the targets.
+"""The acceptance targets of ``kvtier bench transfer`` rows (each transfer's ratio to the
+contiguous-copy limit it must reach), how ratios are shown against them, and a figure of the
+rows: every backend's ratio to the limit, against the targets. Imports nothing of kvtier's, so
+``bench/acceptance.py`` reads this file without importing the package (or torch).
 
 Columns are the host slots (as the allocator hands them out, scattered); rows
 of panels are one-way transfers (backup, per-layer load) and both at once.
 Each bar is one backend's GB/s over the run's contiguous limit; a red tick across
-each row marks its own acceptance target (:mod:`kvtier.bench.targets`: 0.95x or
+each row marks its own acceptance target (:func:`target`: 0.95x or
 0.9x one way, 1.5x both at once; none for page 16 or spread pools), solid lines
 the limit itself and dotted the contiguous copies both ways at once.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, is_dataclass
 
-from .targets import target
+# The acceptance targets: 0.95x one way for these on host slots as the allocator hands them
+# out, 0.9x for the other one-way rows (page_head, DSA, scattered slots), 1.5x both at once;
+# page sizes 1 and 64 only.
+TARGET_95 = {("mha", "layer_first"), ("mha", "page_first"), ("mla", "layer_first"), ("mla", "page_first")}
+
+
+def target(r: dict) -> float | None:
+    """A row's target (``r``: a JSON row), or None where it is not one of the 72 acceptance
+    rows (page 16, spread pools, the contiguous limit's own rows)."""
+    if r["kind"] == "all" or r["host_slots"] not in ("allocator", "scattered") or r["page_size"] not in (1, 64):
+        return None
+    if r["direction"] == "both":
+        return 1.5
+    return 0.95 if r["host_slots"] == "allocator" and (r["kind"], r["layout"]) in TARGET_95 else 0.9
+
+
+def ratio_text(ratio: float) -> str:
+    """``ratio`` cut (not rounded) to three decimals: 0.9497 shows as 0.949, never as the 0.95
+    it misses."""
+    return f"{math.floor(ratio * 1000 + 1e-9) / 1000:.3f}"
+
+
 COLORS = {"kernel": "#4c72b0", "dma": "#dd8452", "auto": "#55a868", "direct": "#8172b2"}
 ONE_WAY = ("backup", "load")
 

@@ -220,13 +220,15 @@ KILLED = textwrap.dedent("""
 
 
 def _kill_mid_batch(path) -> bool:
-    """Run a writer of batch after batch and SIGKILL it as soon as a page is being written: True
-    where it died with a write in flight (a temporary file left behind)."""
+    """Run a writer of batch after batch and SIGKILL it as soon as a page is being written once
+    some page is whole: True where it died with a write in flight (a temporary file left behind)."""
     proc = subprocess.Popen([sys.executable, "-c", KILLED, str(path)], stdout=subprocess.DEVNULL, cwd=ROOT)
     try:
         deadline = time.monotonic() + 60
-        while not any(f.endswith(".tmp") for f in _files(path)) and time.monotonic() < deadline:
-            pass
+        while time.monotonic() < deadline:
+            files = _files(path)
+            if any(f.endswith(".tmp") for f in files) and any(f.endswith(".kvp") for f in files):
+                break
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(30)
@@ -235,12 +237,7 @@ def _kill_mid_batch(path) -> bool:
 
 
 def test_a_writer_killed_mid_batch_leaves_a_consistent_store_that_loads_nothing_wrong(tmp_path):
-    caught = False
-    for _ in range(8):  # until one kill caught a write in flight and some page is whole (a slow start has none)
-        caught |= _kill_mid_batch(tmp_path)
-        if caught and any(f.endswith(".kvp") for f in _files(tmp_path)):
-            break
-    assert caught, "never caught the writer in the middle of a batch"
+    assert any(_kill_mid_batch(tmp_path) for _ in range(8)), "never caught the writer in the middle of a batch"
     b = FileBackend(FileConfig(tmp_path, 1 << 30))
     files = _files(tmp_path)
     assert all(f.endswith(".kvp") for f in files), [f for f in files if not f.endswith(".kvp")]
