@@ -36,6 +36,7 @@ from ..commands import FIGURE_PATH, JSON_HELP, JSON_PATH, distinct_outputs, echo
 from ..spec import PRESETS, preset
 from ..storage import backend_class
 from ..storage.format import HEADER_BYTES, PageCodec, StorageSalt, read_header, store_key
+from ..storage.servers import StoreFor
 from ..storage.tier import StorageTier, TierConfig
 
 OPS = ("put", "get", "save", "prefetch")
@@ -58,7 +59,8 @@ class Case:
         self.sums = [read_header(b).checksum for b in self.blobs]   # as save() has them from its copy
         self.buffers = [np.empty(self.codec.blob_bytes, np.uint8) for _ in range(pages)]
         cls = backend_class(backend_name)
-        self.config = cls.bench_config(workdir, 2 * pages * self.codec.blob_bytes)
+        self.store = StoreFor(backend_name, workdir, 2 * pages * self.codec.blob_bytes)
+        self.config = self.store.config
         try:
             self.raw = cls.raw_baseline(self.config)
         except NotImplementedError:
@@ -96,6 +98,7 @@ class Case:
     def close(self) -> None:
         (self._tier or self.backend).close()
         self.raw.close()
+        self.store.close()
 
 
 def _seconds(fn) -> float:
@@ -234,9 +237,10 @@ def run(backends, workdir: str, model: str, page_sizes, pages: int, repeats: int
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'backend':<10}{'op':<10}{'page':>10}{'pages':>7}{'GB/s':>9}{'raw GB/s':>10}{'ratio':>8}"]
+    w = max([len("backend")] + [len(r["backend"]) for r in rows]) + 2
+    lines = [f"{'backend':<{w}}{'op':<10}{'page':>10}{'pages':>7}{'GB/s':>9}{'raw GB/s':>10}{'ratio':>8}"]
     for r in rows:
-        lines.append(f"{r['backend']:<10}{r['op']:<10}{r['page_bytes'] / 2**20:>7.2f}MiB{r['pages']:>7}"
+        lines.append(f"{r['backend']:<{w}}{r['op']:<10}{r['page_bytes'] / 2**20:>7.2f}MiB{r['pages']:>7}"
                      f"{r['gbps']:>9.2f}{r['raw_gbps']:>10.2f}{r['ratio']:>7.2f}x")
     return "\n".join(lines)
 

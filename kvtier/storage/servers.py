@@ -242,3 +242,35 @@ class LocalMooncake:
                 proc.send_signal(signal.SIGCONT)
                 proc.kill()
                 proc.wait(10)
+
+
+class StoreFor:
+    """The config of backend ``name`` for a demo or benchmark under ``workdir``, with room for
+    ``capacity_bytes``: a store given by the environment where one is (the backend's own
+    ``bench_config``: ``KVTIER_VALKEY_URL``, ``KVTIER_VALKEY_CLUSTER``, ``KVTIER_MOONCAKE_MASTER``
+    and ``KVTIER_MOONCAKE_METADATA``), else one started here on loopback (:class:`LocalValkey`,
+    :class:`LocalMooncake`) and stopped by :meth:`close`. ``config`` is the backend's config."""
+
+    ENV = {"valkey": "KVTIER_VALKEY_URL", "valkey-cluster": "KVTIER_VALKEY_CLUSTER", "mooncake": "KVTIER_MOONCAKE_MASTER"}
+
+    def __init__(self, name: str, workdir, capacity_bytes: int):
+        from . import backend_class
+        self.cls, self.server = backend_class(name), None
+        env = self.ENV.get(name)
+        if env is None or os.environ.get(env):
+            self.config = self.cls.bench_config(str(workdir), capacity_bytes)
+            return
+        where = Path(workdir) / name
+        try:
+            if name == "mooncake":
+                self.server = LocalMooncake(where, segment_mb=max(64, -(-capacity_bytes // (1 << 20)) + 64)).start()
+            else:
+                self.server = LocalValkey(where, cluster=name == "valkey-cluster").start()
+        except (RuntimeError, ImportError) as e:
+            raise ValueError(f"no {name} store could be started here ({e}); start one and name it in {env}") from None
+        self.config = self.server.config()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
