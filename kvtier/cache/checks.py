@@ -1,4 +1,8 @@
-"""Argument checks of the cache's public calls: they raise before anything changes."""
+"""Argument checks of the cache's public calls: they raise before anything changes.
+
+Also the checks an insert makes of its slots, kept linear in practice: slots are looked at
+as runs of consecutive ids (an allocator hands them out so), checked a run at a time.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,70 @@ import torch
 
 from ..validate import require_readable
 from .config import CacheConfig
+from .tiers import REQUEST as _REQUEST
+
+# At most this many runs are checked and marked a slice each; more take one gather or scatter
+# over every page (25-37 us per 32k pages on the 2-core CPU) and a sort for repeats.
+MAX_RUNS = 32
+
+
+def _is_token(value) -> bool:
+    return type(value) is int or isinstance(value, np.integer)
+
+
+def _int64_view(values) -> np.ndarray | None:
+    """A 1-D int64 CPU tensor or array as an array without a copy (the common case, checked in
+    a microsecond: a tensor's own attributes cost more); None for anything else."""
+    if type(values) is torch.Tensor:
+        try:
+            values = values.numpy()  # raises off the CPU, or where it needs grad
+        except (RuntimeError, TypeError):
+            return None
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
+        return values
+    return None
+
+
+def as_tokens(token_ids):
+    """Token ids as the tree takes them (:mod:`.radix`): a list as it is, anything else as a
+    1-D int64 array (an int64 array or CPU tensor without a copy).
+
+    A list is taken to hold Python (or numpy) ints: only its first and last elements are
+    checked here, since checking each costs more than an insert (a list of 32k ints: 160 us
+    to sum, 450 us to convert); a page that holds another value raises ``ValueError`` once its
+    chain key is computed. Arrays and tensors are checked by their dtype.
+    """
+    fast = _int64_view(token_ids)
+    if fast is not None:
+        return fast
+    if type(token_ids) is tuple:
+        token_ids = list(token_ids)
+    if type(token_ids) is list:
+        if token_ids and not (_is_token(token_ids[0]) and _is_token(token_ids[-1])):
+            bad = token_ids[0] if not _is_token(token_ids[0]) else token_ids[-1]
+            raise ValueError(f"token_ids must be integers, got {bad!r} ({type(bad).__name__}) in the list")
+        return token_ids
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dtype.is_floating_point or token_ids.dtype in (torch.bool, torch.complex64, torch.complex128):
+            raise ValueError(f"token_ids must be integers, got a tensor of {token_ids.dtype}")
+        require_readable("token_ids", token_ids)
+        arr = token_ids.detach().to("cpu", torch.int64).numpy()
+    else:
+        arr = np.asarray(token_ids)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        elif not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"token_ids must be integers, got dtype {arr.dtype}")
+        arr = arr.astype(np.int64, copy=False)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be one-dimensional, got shape {tuple(arr.shape)}")
+    return arr
 
 
 def as_slots(values) -> np.ndarray:
+    fast = _int64_view(values)
+    if fast is not None:
+        return fast
     if isinstance(values, torch.Tensor):
         if values.dtype.is_floating_point or values.dtype == torch.bool:
             raise ValueError(f"slot indices must be integers, got a tensor of {values.dtype}")
@@ -22,10 +87,100 @@ def as_slots(values) -> np.ndarray:
         arr = np.asarray(values)
         if arr.size and not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"slot indices must be integers, got dtype {arr.dtype}")
-        arr = arr.astype(np.int64)
+        arr = arr.astype(np.int64, copy=False)
     if arr.ndim != 1:
         raise ValueError(f"slot indices must be one-dimensional, got shape {tuple(arr.shape)}")
     return arr
+
+
+def _run_starts(ids: np.ndarray) -> list[int]:
+    """Positions where a run of consecutive ids starts (0 first)."""
+    if len(ids) < 2:
+        return [0] if len(ids) else []
+    return [0] + (np.flatnonzero(np.diff(ids) != 1) + 1).tolist()
+
+
+class PageRuns:
+    """Page ids and their runs of consecutive ids: ``runs`` holds ``(position, first page,
+    count)`` of each where there are at most :data:`MAX_RUNS`, and ownership is checked and
+    marked a run (a slice) at a time; with more, ``runs`` is None and a gather or scatter over
+    every page does it."""
+
+    def __init__(self, pages: np.ndarray, starts: list[int] | None = None, firsts: list[int] | None = None):
+        self.pages = pages
+        starts = _run_starts(pages) if starts is None else starts
+        self.runs = None
+        if len(starts) <= MAX_RUNS:
+            firsts = pages[starts].tolist() if firsts is None else firsts
+            self.runs = [(p, f, e - p) for p, f, e in zip(starts, firsts, starts[1:] + [len(pages)])]
+
+    @staticmethod
+    def of_slots(slots: np.ndarray, page_size: int, size: int, whole: bool = True) -> "PageRuns":
+        """The pages of slots of whole pages (each page's ``page_size`` slots in order; at page 1
+        the slots themselves); ``ValueError`` naming the first slot out of range or the first
+        position that does not start a whole page. One pass over the slots: their runs.
+        ``whole=False`` reads only each page's first slot (the caller vouches for the rest)."""
+        n = len(slots)
+        if n % page_size:
+            raise ValueError(f"{n} indices is not a whole number of pages of {page_size} tokens")
+        if not whole and page_size > 1:
+            firsts = slots[::page_size]
+            if len(firsts) and firsts.min() >= 0 and firsts.max() < size and not (firsts % page_size).any():
+                return PageRuns(firsts // page_size)
+        starts = _run_starts(slots)
+        ends = starts[1:] + [n] if n else []
+        firsts, lasts = slots[starts].tolist(), slots[[e - 1 for e in ends]].tolist()
+        if n and (min(firsts) < 0 or max(lasts) >= size):  # a run's first slot is its least, its last its greatest
+            bad = min(firsts) if min(firsts) < 0 else max(lasts)
+            raise ValueError(f"index {bad} is out of range: valid slots are 0..{size - 1}")
+        if page_size == 1:
+            return PageRuns(slots, starts, firsts)
+        for p, f, e in zip(starts, firsts, ends):  # a run that starts and ends on page boundaries is whole pages
+            if p % page_size or f % page_size or e % page_size:
+                at = p // page_size * page_size
+                raise ValueError(f"indices {slots[at:at + 4].tolist()}... at position {at} are not one whole "
+                                 f"page (expected p*{page_size} .. p*{page_size}+{page_size - 1})")
+        return PageRuns(slots[::page_size] // page_size, [p // page_size for p in starts])
+
+    def tail(self, k: int) -> "PageRuns":
+        """``pages[k:]`` and its runs."""
+        if k == 0:
+            return self
+        if self.runs is None:
+            return PageRuns(self.pages[k:])
+        out = PageRuns(self.pages[k:], [])
+        out.runs = [(max(p, k) - k, f + max(k - p, 0), n - max(k - p, 0)) for p, f, n in self.runs if p + n > k]
+        return out
+
+    def first_not(self, marks: np.ndarray, mark: int) -> int | None:
+        """The first page whose mark is not ``mark``, or None."""
+        if self.runs is None:
+            bad = self.pages[marks[self.pages] != mark]
+            return int(bad[0]) if len(bad) else None
+        for _, first, n in self.runs:
+            ok = marks[first : first + n] == mark
+            if not ok.all():
+                return first + int(np.argmin(ok))
+        return None
+
+    def repeated(self) -> int | None:
+        """A page named twice, or None (sort and compare: O(n log n), O(r log r) by runs)."""
+        if self.runs is None:
+            s = np.sort(self.pages)
+            same = np.flatnonzero(s[1:] == s[:-1])
+            return int(s[same[0]]) if len(same) else None
+        runs = sorted((f, n) for _, f, n in self.runs)
+        for (a, n), (b, _) in zip(runs, runs[1:]):
+            if b < a + n:
+                return b
+        return None
+
+    def mark(self, marks: np.ndarray, mark: int) -> None:
+        if self.runs is None:
+            marks[self.pages] = mark
+        else:
+            for _, first, n in self.runs:
+                marks[first : first + n] = mark
 
 
 def check_pools(device_pool, host_pool, config, engine) -> None:
@@ -59,3 +214,30 @@ def claim_device_pool(device_pool, cache) -> None:
             raise ValueError("device_pool already has a HiCache that hands out its slots; use that cache, or drop it "
                              "(del it) before building another over the same pool, or build a new device pool")
     device_pool._kvtier_cache = weakref.ref(cache)
+
+
+def check_insert_pages(path, partial, pages: PageRuns, owner: np.ndarray, page_size: int) -> PageRuns:
+    """An insert's ``pages`` (page ``i`` holds the KV of the query's page ``i``) against the tree
+    it walked (``path`` and ``partial``, :meth:`~.radix.RadixTree.walk`): every page is the
+    caller's (marked :data:`~.tiers.REQUEST` in ``owner``) or the tree's own page at that very
+    position, and none is named twice; ``ValueError`` otherwise. Returns the runs of the pages
+    past the tree's (the new leaf's)."""
+    held = [n.device if n.device is not None else np.full(len(n) // page_size, -1) for n in path]
+    if partial is not None:
+        child, k = partial
+        whole = child.device if child.device is not None else np.full(len(child) // page_size, -1)
+        held.append(whole[: k // page_size])
+    existing = held[0] if len(held) == 1 else np.concatenate(held) if held else pages.pages[:0]
+    head = pages.pages[: len(existing)]
+    differ = head != existing
+    dup = head[differ] if differ.any() else head[:0]
+    new = pages.tail(len(existing))
+    mine = PageRuns(np.concatenate([dup, new.pages])) if len(dup) else new
+    bad = mine.first_not(owner, _REQUEST)
+    if bad is not None:
+        raise ValueError(f"device page {bad} (slots {bad * page_size}..) is not the caller's: insert takes "
+                         "slots from alloc_device, or the tree's own slots for the same tokens")
+    twice = mine.repeated()
+    if twice is not None:
+        raise ValueError(f"device_indices names a page twice (page {twice}); give each page once")
+    return new

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ..transfer.base import Backend
 from ..transfer.factory import IO_BACKENDS
 from ..validate import require_positive_int
+from .hashing import KEY_HASHES
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 EVICTION_POLICIES = ("lru", "lfu")
@@ -29,8 +30,14 @@ class CacheConfig:
       transfer queues; a full backup queue skips write-through backups
       (counted in the metrics), a full load queue makes ``load_back`` wait
       for the oldest load.
-    - ``model_id``: salts page hashes with the model's identity (weights),
-      on top of the KV shape, layout and page size.
+    - ``model_id``: salts chain keys with the model's identity (weights),
+      on top of the KV shape, dtype and page size.
+    - ``key_hash``: the hash of chain keys (:mod:`.hashing`): ``xxh3_128``, or
+      ``sha256`` for keys shared with other engines or untrusting tenants.
+    - ``check_slots``: ``insert`` checks that each page's slots are that page's,
+      in order; False reads one slot a page, for an engine whose slots come
+      whole from ``alloc_device`` and matches (page ownership and repeats are
+      checked either way; at page 1 it changes nothing).
     - ``load_gbps_prior``: host->device bandwidth the advisor assumes until it
       has measured one (0: no prior, loads are advised until measured).
     - ``bandwidth_ewma``: weight of the newest measurement in the bandwidth
@@ -46,6 +53,8 @@ class CacheConfig:
     max_inflight_backups: int = 256
     max_inflight_loads: int = 64
     model_id: str = ""
+    key_hash: str = "xxh3_128"
+    check_slots: bool = True
     load_gbps_prior: float = 0.0
     bandwidth_ewma: float = 0.25
     advisor_margin: float = 1.0
@@ -59,6 +68,9 @@ class CacheConfig:
         require_positive_int("max_inflight_loads", self.max_inflight_loads)
         if self.io_backend is not None and not isinstance(self.io_backend, Backend):
             _choice("io_backend", self.io_backend, IO_BACKENDS)
+        _choice("key_hash", self.key_hash, KEY_HASHES)
+        if not isinstance(self.check_slots, bool):
+            raise ValueError(f"check_slots must be True or False, got {self.check_slots!r}")
         if not isinstance(self.model_id, str):
             raise ValueError(f"model_id must be a string, got {self.model_id!r}")
         _finite("load_gbps_prior", self.load_gbps_prior, low=0.0)

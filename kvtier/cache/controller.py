@@ -27,18 +27,17 @@ import threading
 import numpy as np
 import torch
 
-from ..allocator import tokens_to_pages
 from ..transfer.engine import TransferEngine
 from .advisor import Advice, advise
 from .config import CacheConfig
-from .hashing import as_token_array, chain_hashes, namespace_seed
+from .hashing import ChainKeys
 from .inflight import LOAD, CacheLoad
 from .invariants import check_cache
 from .metrics import CacheMetrics
 from .policy import make_policies
-from .radix import Node, RadixTree, load_tokens, ready_prefix
+from .radix import Node, RadixTree, load_tokens, ready_prefix, stored
 from ..validate import check_namespace, is_int
-from .checks import as_slots, check_pools, claim_device_pool
+from .checks import PageRuns, as_slots, as_tokens, check_insert_pages, check_pools, claim_device_pool
 from .tiers import REQUEST, TREE, Tiers, concat, tokens_of
 from .types import LoadResult, MatchResult, StorageHook
 
@@ -66,14 +65,15 @@ class HiCache:
         if host_pool is not None and transfer_engine is None:
             transfer_engine = TransferEngine(host_pool, config.io_backend)
         self.engine = transfer_engine
-        layout = host_pool.layout if host_pool is not None else "device"
-        self.salt = device_pool.spec.salt(layout, ps) + b"|model=" + config.model_id.encode()
+        # Keys name a page's bytes in the storage tier's one canonical order: no host layout in them.
+        self.salt = device_pool.spec.salt("canonical", ps) + b"|model=" + config.model_id.encode()
+        self.keys = ChainKeys(self.salt, config.key_hash, ps)
         self._lock = threading.RLock()
         self.tree = RadixTree(ps)
         self.eviction_policy, self.write_policy = make_policies(config)
         self.metrics = CacheMetrics(self._state, self._lock)
         self.tiers = Tiers(device_pool, host_pool, config, self.tree, self.eviction_policy,
-                           self.write_policy, self.metrics, transfer_engine, storage_hook)
+                           self.write_policy, self.metrics, transfer_engine, storage_hook, self.keys)
 
     # -- device slots for requests -------------------------------------------
 
@@ -94,12 +94,12 @@ class HiCache:
 
     def free_device(self, slots) -> None:
         """Give back slots from :meth:`alloc_device` that were not handed to :meth:`insert`."""
-        pages = self._slot_pages(slots, "slots")
-        if len(np.unique(pages)) != len(pages):
-            raise ValueError("slots names a page twice")
+        pages = self._slot_pages(as_slots(slots), "slots")
+        if pages.repeated() is not None:
+            raise ValueError(f"slots names page {pages.repeated()} twice; give each page once")
         with self._lock:
-            if len(pages):
-                self.tiers.free_request(pages)
+            if len(pages.pages):
+                self.tiers.free_request(pages.pages)
 
     # -- matching and locking -------------------------------------------------
 
@@ -114,7 +114,7 @@ class HiCache:
         may give the match up and ask again (a scheduler that finds no room):
         it calls :meth:`count_match` once the request goes ahead.
         """
-        tokens = as_token_array(token_ids)
+        tokens = as_tokens(token_ids)
         check_namespace(namespace)
         with self._lock:
             if len(self.tiers.inflight):
@@ -198,54 +198,35 @@ class HiCache:
         tree holds only on the host adopt the caller's slots. Returns how
         many tokens were cached before. Raises before changing anything if a
         slot is not the caller's (from alloc_device, or the tree's slot for
-        that very page).
+        that very page) or names a page twice.
+
+        ``token_ids``: a list (kept as list slices; compared without
+        converting it), a numpy array or a CPU tensor (kept as int64 copies).
+        Costs O(tokens) at C speed, and no hashing (:mod:`.hashing`).
         """
-        tokens = as_token_array(token_ids)
+        tokens = as_tokens(token_ids)
         check_namespace(namespace)
         slots = as_slots(device_indices)
         if len(slots) > len(tokens):
             raise ValueError(f"{len(slots)} device_indices for only {len(tokens)} token_ids")
         n_full = len(slots) // self.page_size * self.page_size
-        tokens = tokens[:n_full].copy()
-        pages = self._slot_pages(slots[:n_full], "device_indices")
-        if len(np.unique(pages)) != len(pages):
-            raise ValueError("device_indices names a page twice")
+        pages = self._slot_pages(slots[:n_full], "device_indices", self.config.check_slots)
         with self._lock:
             root = self._root(namespace)
             try:
-                path, matched, partial = self.tree.walk(root, tokens)
-                self._check_insert_pages(path, partial, pages)
+                path, matched, partial = self.tree.walk(root, tokens, n_full)
+                new = check_insert_pages(path, partial, pages, self.tiers.owner, self.page_size)
                 if partial is not None:
                     path.append(self.tree.split(*partial))
                     matched += partial[1]
-                self._absorb(path, pages)
+                self._absorb(path, pages.pages)
                 if matched < n_full:
-                    parent = path[-1] if path else root
-                    self._add_leaf(parent, tokens[matched:], pages[matched // self.page_size :])
+                    self._add_leaf(path[-1] if path else root, stored(tokens, matched, n_full), new)
                 else:
                     self.tree.touch(path, hit=False)
                 return matched
             finally:
                 self.tree.drop_if_empty(root)  # nothing inserted (no whole page, or refused)
-
-    def _check_insert_pages(self, path, partial, pages: np.ndarray) -> None:
-        """Every page is the caller's, or the tree's own page at that very position."""
-        ps = self.page_size
-        held = [n.device if n.device is not None else np.full(len(n) // ps, -1) for n in path]
-        if partial is not None:
-            child, k = partial
-            whole = child.device if child.device is not None else np.full(len(child) // ps, -1)
-            held.append(whole[: k // ps])
-        existing = concat(held)
-        head = pages[: len(existing)]
-        mine = np.concatenate([head[head != existing], pages[len(existing):]])
-        bad = mine[self.tiers.owner[mine] != REQUEST]
-        if len(bad):
-            p = int(bad[0])
-            raise ValueError(
-                f"device page {p} (slots {p * self.page_size}..) is not the caller's: insert takes "
-                "slots from alloc_device, or the tree's own slots for the same tokens"
-            )
 
     def _absorb(self, path: list[Node], pages: np.ndarray) -> None:
         """Matched nodes: free the caller's duplicate pages, or adopt them where the device lacks the node."""
@@ -261,11 +242,10 @@ class HiCache:
             if len(dup):
                 self.tiers.release_device(dup)
 
-    def _add_leaf(self, parent: Node, tokens: np.ndarray, pages: np.ndarray) -> None:
-        hashes = chain_hashes(parent.hashes[-1], tokens, self.page_size)
-        leaf = self.tree.add_leaf(parent, tokens, hashes)
-        self.tiers.owner[pages] = TREE
-        self.tree.set_device(leaf, pages, ready=True)
+    def _add_leaf(self, parent: Node, tokens, pages: PageRuns) -> None:
+        leaf = self.tree.add_leaf(parent, tokens)
+        pages.mark(self.tiers.owner, TREE)
+        self.tree.set_device(leaf, pages.pages, ready=True)
         self.tree.touch(self.tree.path_to(leaf), hit=False)
         if self.engine is not None and self.write_policy.backup_on_insert(leaf):
             self._optional_backup([leaf])
@@ -397,27 +377,50 @@ class HiCache:
             t = self.tree
             return (self.tiers.host_alloc.available_pages() + t.host_pages - t.host_locked_pages) * self.page_size
 
+    # -- chain keys (the storage tier's page names: hashing.py) --------------------
+
     def page_hashes(self, token_ids, namespace: str = "default") -> list[bytes]:
-        """Chained page hashes of every whole page (the L3 keys); cached pages reuse the tree's."""
-        tokens = as_token_array(token_ids)
+        """The chain keys of every whole page of ``token_ids``; cached pages' are computed once
+        and kept on their nodes."""
+        tokens = as_tokens(token_ids)
         check_namespace(namespace)
         with self._lock:
             root = self.tree.root(namespace)
             if root is None:  # nothing cached in it: no root made for a read
-                return chain_hashes(namespace_seed(self.salt, namespace), tokens, self.page_size)
+                return self.keys.chain(self.keys.seed(namespace), tokens)
             path, matched, partial = self.tree.walk(root, tokens)
-            known = [h for n in path for h in n.hashes]
+            known = [h for n in path for h in self.keys.of_node(n)]
             if partial is not None:
-                known += partial[0].hashes[: partial[1] // self.page_size]
+                known += self.keys.of_node(partial[0])[: partial[1] // self.page_size]
                 matched += partial[1]
-            prev = known[-1] if known else root.hashes[0]
-        return known + chain_hashes(prev, tokens[matched:], self.page_size)
+            prev = known[-1] if known else self.keys.of_node(root)[-1]
+            return known + self.keys.chain(prev, tokens[matched:])
+
+    def chain_keys(self, node: Node) -> list[bytes]:
+        """The chain keys of ``node``'s pages (a ``MatchResult.node``; [] for a root): what the
+        storage tier stores them under. Computed on first use, with any of its ancestors'
+        that are missing, and kept."""
+        with self._lock:
+            self._check_node(node)
+            return [] if node.parent is None else list(self.keys.of_node(node))
+
+    def chain_keys_after(self, match: MatchResult, token_ids) -> list[bytes]:
+        """The chain keys of the whole pages of ``token_ids`` (the query ``match`` was made of)
+        past the match: what a storage lookup asks for. Chained from the key of the match's
+        last page, which is computed and kept if it is missing."""
+        tokens = as_tokens(token_ids)
+        if len(tokens) < match.total_len:
+            raise ValueError(f"token_ids holds {len(tokens)} tokens, fewer than the {match.total_len} the match "
+                             "covers; pass the query the match was made of")
+        with self._lock:
+            self._check_node(match.node)
+            prev = self.keys.of_node(match.node)[-1]
+            return self.keys.chain(prev, tokens[match.total_len :])
 
     # -- internals -----------------------------------------------------------------
 
     def _root(self, namespace: str) -> Node:
-        root = self.tree.root(namespace)
-        return root if root is not None else self.tree.root(namespace, namespace_seed(self.salt, namespace))
+        return self.tree.root(namespace, create=True)
 
     def _count_match(self, n_tokens: int, device: int, host: int) -> None:
         m = self.metrics
@@ -458,12 +461,9 @@ class HiCache:
             raise ValueError(f"{name}={n_tokens} is not a multiple of page_size={self.page_size}; ask for {up}")
         return int(n_tokens) // self.page_size
 
-    def _slot_pages(self, slots, name: str) -> np.ndarray:
-        arr = as_slots(slots)
-        if not len(arr):
-            return arr
+    def _slot_pages(self, slots, name: str, whole: bool = True) -> PageRuns:
         try:
-            return tokens_to_pages(arr, self.page_size, self.tiers.device_alloc.size)
+            return PageRuns.of_slots(slots, self.page_size, self.tiers.device_alloc.size, whole)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
 

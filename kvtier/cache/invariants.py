@@ -12,7 +12,7 @@ import numpy as np
 
 from ..validate import InvariantError
 from .inflight import BACKUP, LOAD
-from .radix import Node, RadixTree
+from .radix import Node, RadixTree, page_key
 from .tiers import FREE, REQUEST, TREE, concat
 
 
@@ -36,10 +36,15 @@ def check_tree(tree: RadixTree, nodes: list[Node]) -> None:
     ps = tree.page_size
     below: Counter = Counter()  # lock_ref each node's children hold
     for n in nodes:
-        if not n.alive or n.parent is None or n.parent.children.get(n.tokens[:ps].tobytes()) is not n:
+        if not n.alive or n.parent is None or n.parent.children.get(page_key(n.tokens, 0, ps)) is not n:
             _fail(n, "is not linked into the tree under its first page")
-        if len(n) == 0 or len(n) % ps or len(n.hashes) * ps != len(n):
-            _fail(n, f"holds {len(n)} tokens and {len(n.hashes)} page hashes for pages of {ps}")
+        keys = -1 if n.hashes is None else len(n.hashes)
+        if len(n) == 0 or len(n) % ps or (n.hashes is not None and keys * ps != len(n)):
+            _fail(n, f"holds {len(n)} tokens and {keys} chain keys for pages of {ps}")
+        if n.host is not None and n.hashes is None:
+            _fail(n, "holds host pages but no chain keys")
+        if n.hashes is not None and n.parent.hashes is None:
+            _fail(n, "has chain keys while its parent has none")
         if n.device is None and n.host is None:
             _fail(n, "is resident in no tier")
         for tier, pages in (("device", n.device), ("host", n.host)):

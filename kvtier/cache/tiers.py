@@ -42,8 +42,8 @@ logger = logging.getLogger("kvtier")
 
 
 def tokens_of(pages: np.ndarray, page_size: int) -> torch.Tensor:
-    """Page ids -> an int64 CPU tensor of their token slots."""
-    return torch.from_numpy(pages_to_tokens(pages, page_size))
+    """Page ids (device pages are int32) -> an int64 CPU tensor of their token slots."""
+    return torch.from_numpy(pages_to_tokens(pages.astype(np.int64, copy=False), page_size))
 
 
 def concat(arrays: list[np.ndarray]) -> np.ndarray:
@@ -54,11 +54,13 @@ def concat(arrays: list[np.ndarray]) -> np.ndarray:
 
 class Tiers:
     def __init__(self, device_pool, host_pool, config, tree: RadixTree, eviction, writer, metrics,
-                 engine, storage_hook=None):
+                 engine, storage_hook=None, keys=None):
         self.ps = config.page_size
+        self.keys = keys  # a ChainKeys: a backed-up page gets its key (for storage) as its backup starts
         self.tree, self.eviction, self.writer, self.metrics = tree, eviction, writer, metrics
         self.device_alloc = PageAllocator(device_pool.size, self.ps)
         self.owner = np.zeros(self.device_alloc.num_pages, dtype=np.int8)
+        assert self.device_alloc.num_pages < 2**31, "device page ids are kept as int32"
         self.host_alloc = host_pool.allocator if host_pool is not None else None
         self.engine = engine
         self.storage_hook = storage_hook
@@ -255,7 +257,7 @@ class Tiers:
     def _free_host_of(self, node: Node) -> int:
         """Take ``node``'s host pages from it: freed now, or, with a storage hook, queued to be
         offered (:meth:`flush_offers`) and freed after that."""
-        hashes, pages = list(node.hashes), self.tree.drop_host(node)
+        hashes, pages = list(self.keys.of_node(node)), self.tree.drop_host(node)
         self.metrics.evicted_tokens["host"].inc(len(pages) * self.ps)
         if self.storage_hook is None:
             self.host_alloc.free_pages(pages)
@@ -304,6 +306,8 @@ class Tiers:
             if self.inflight.full(BACKUP):
                 self.metrics.backups_skipped["queue_full"].inc()
                 return False
+        for n in nodes:  # every host page has its key (pure, kept: nothing to undo if the backup does not start)
+            self.keys.of_node(n)
         dev = concat([n.device for n in nodes])
         host = self.obtain_host(len(dev), keep_device_copies=demotion)
         if host is None:

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings, strategies as st
 from prometheus_client import REGISTRY, generate_latest
 
 from cache_testlib import kv_matches, kv_values, make_cache, serve, write_kv
 from kvtier.cache import CacheConfig, HiCache
-from kvtier.cache.hashing import HASH_VERSION, chain_hashes, namespace_seed
+from kvtier.cache.hashing import KEY_FORMAT, chain_hashes, namespace_seed
 from kvtier.cache.radix import RadixTree
-from kvtier_testlib import make_device_pool
+from kvtier_testlib import make_device_pool, make_host_pool
 
 SEQ = list(range(10, 26))
 
@@ -45,41 +50,80 @@ def test_namespaces_never_share_entries():
 
 # -- page hashes ------------------------------------------------------------------------
 
+DIGEST = {"sha256": lambda b: hashlib.sha256(b).digest(), "xxh3_128": xxhash.xxh3_128_digest}
+
+
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(0, 2**40), min_size=0, max_size=40), st.sampled_from([1, 2, 4, 8]))
-def test_hash_chain_is_prefix_stable_and_matches_sha256(tokens, ps):
-    seed = namespace_seed(b"salt", "ns")
+@given(st.lists(st.integers(0, 2**40), min_size=0, max_size=40), st.sampled_from([1, 2, 4, 8]),
+       st.sampled_from(["sha256", "xxh3_128"]))
+def test_hash_chain_is_prefix_stable_and_matches_its_digest(tokens, ps, algo):
+    seed = namespace_seed(b"salt", "ns", algo)
     arr = np.array(tokens, dtype=np.int64)
-    hashes = chain_hashes(seed, arr, ps)
+    hashes = chain_hashes(seed, arr, ps, algo)
+    assert chain_hashes(seed, tokens, ps, algo) == hashes          # a list keys alike
     assert len(hashes) == len(tokens) // ps
     prev = seed
     for i, h in enumerate(hashes):
         page = np.array(tokens[i * ps : (i + 1) * ps], dtype="<i8").tobytes()
-        assert h == hashlib.sha256(prev + page).digest()
+        assert h == DIGEST[algo](prev + page) and len(h) == len(seed)
         prev = h
     half = len(tokens) // 2
-    assert chain_hashes(seed, arr[:half], ps) == hashes[: half // ps]
+    assert chain_hashes(seed, arr[:half], ps, algo) == hashes[: half // ps]
 
 
-def test_hashes_are_salted_by_shape_page_size_model_and_namespace():
-    def hashes(ps=4, model_id="", ns="default", heads=2):
+def test_key_format_is_pinned():
+    """Keys are stored: a change of their bytes must change KEY_FORMAT (and this test)."""
+    assert KEY_FORMAT == b"kvtier-chain-v2"
+    for algo, want in [("xxh3_128", "05181bfd9f8299e07a961b97c2e20df1"), ("sha256", "a8fe520dbcdfc55be5dbbd60c33a72042a3442f928a20b851a474a036fb2ad16")]:
+        seed = namespace_seed(b"salt", "default", algo)
+        assert chain_hashes(seed, [1, 2, 3, 4, 5, 6, 7, 8], 4, algo)[-1].hex() == want, algo
+
+
+def test_keys_are_equal_in_another_interpreter():
+    code = ("import torch; from kvtier.cache import CacheConfig, HiCache; from kvtier_testlib import make_device_pool;"
+            "dev = make_device_pool('mha', 32, 4, torch.float16, 2, heads=2, head_dim=4);"
+            "c = HiCache(dev, None, CacheConfig(page_size=4, model_id='m', key_hash='{}'));"
+            "print(','.join(h.hex() for h in c.page_hashes(list(range(10, 26)), 'ns')))")
+    tests = str(Path(__file__).resolve().parents[1])
+    for algo in ("xxh3_128", "sha256"):
+        out = subprocess.run([sys.executable, "-c", code.format(algo)], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                                  "PYTHONHASHSEED": "random"}).stdout.strip()
+        dev = make_device_pool("mha", 32, 4, torch.float16, 2, heads=2, head_dim=4)
+        here = HiCache(dev, None, CacheConfig(page_size=4, model_id="m", key_hash=algo))
+        serve(here, SEQ, namespace="ns")                       # cached nodes compute and keep their keys
+        assert out == ",".join(h.hex() for h in here.page_hashes(SEQ, "ns"))
+        assert out.split(",") == [h.hex() for h in here.chain_keys(here.match_prefix(SEQ, namespace="ns").node)]
+
+
+def test_hashes_are_salted_by_shape_page_size_model_and_namespace_not_layout():
+    def hashes(ps=4, model_id="", ns="default", heads=2, layout=None, algo="xxh3_128"):
         dev = make_device_pool("mha", 32, ps, torch.float16, 2, heads=heads, head_dim=4)
-        return HiCache(dev, None, CacheConfig(page_size=ps, model_id=model_id)).page_hashes(SEQ, ns)[0]
+        host = None if layout is None else make_host_pool(dev, layout, 32)
+        cfg = CacheConfig(page_size=ps, model_id=model_id, key_hash=algo)
+        return HiCache(dev, host, cfg).page_hashes(SEQ, ns)[0]
 
     base = hashes()
-    assert hashes() == base
-    for other in (hashes(ps=2), hashes(model_id="llama-ft"), hashes(ns="lora-7"), hashes(heads=3)):
+    assert hashes() == base == hashes(layout="page_first") == hashes(layout="layer_first")
+    for other in (hashes(ps=2), hashes(model_id="llama-ft"), hashes(ns="lora-7"), hashes(heads=3), hashes(algo="sha256")):
         assert other != base
-    assert namespace_seed(b"x", "a") != namespace_seed(b"x", "b") and HASH_VERSION
+    assert namespace_seed(b"x", "a") != namespace_seed(b"x", "b")
 
 
-def test_nodes_store_their_page_hashes_once_and_splits_keep_them():
+def test_device_only_cache_never_hashes_and_nodes_keep_keys_once_computed():
     cache, *_ = make_cache(host_pages=0)
     serve(cache, SEQ)
     serve(cache, SEQ[:8] + [1] * 8)               # splits SEQ's node after 2 pages
     nodes = cache.tree.path_to(cache.match_prefix(SEQ).node)
-    assert [h for n in nodes for h in n.hashes] == cache.page_hashes(SEQ)
-    assert len(nodes) == 2
+    assert len(nodes) == 2 and all(n.hashes is None for n in cache.tree.nodes())
+    assert all(r.hashes is None for r in cache.tree.roots.values())
+    keys = cache.page_hashes(SEQ)
+    assert [h for n in nodes for h in n.hashes] == keys
+    assert cache.chain_keys(nodes[1]) == keys[2:] and cache.chain_keys(cache.tree.roots["default"]) == []
+    m = cache.match_prefix(SEQ[:8] + [7] * 9)
+    assert m.total_len == 8 and cache.chain_keys_after(m, SEQ[:8] + [7] * 9) == cache.page_hashes(SEQ[:8] + [7] * 9)[2:]
+    with pytest.raises(ValueError, match="fewer than"):
+        cache.chain_keys_after(m, SEQ[:4])
 
 
 # -- the storage hook ---------------------------------------------------------------------
@@ -210,8 +254,8 @@ def test_insert_frees_duplicates_and_keeps_partial_page_with_the_caller():
 
 def test_radix_tree_alone_needs_no_pools():
     tree = RadixTree(2)
-    root = tree.root("ns", b"seed")
-    a = tree.add_leaf(root, np.arange(8), [b"h"] * 4)
+    root = tree.root("ns", create=True)
+    a = tree.add_leaf(root, np.arange(8))
     path, matched, partial = tree.walk(root, np.array([0, 1, 2, 3, 9, 9]))
     assert (path, matched) == ([], 0) and partial == (a, 4)
     upper = tree.split(a, 4)

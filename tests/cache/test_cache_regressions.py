@@ -99,7 +99,7 @@ def test_a_demotion_never_takes_the_host_copy_of_a_page_still_on_the_device():
 # -- found by a review (2026-12-04): each failed before its fix -------------------------
 
 def _tiers(cache) -> list[tuple[list[int], bool, bool]]:
-    return [(n.tokens.tolist(), n.device is not None, n.host is not None) for n in cache.tree.nodes()]
+    return [(list(map(int, n.tokens)), n.device is not None, n.host is not None) for n in cache.tree.nodes()]
 
 
 def test_a_match_keeps_its_own_host_part_when_its_hot_pages_are_backed_up():

@@ -15,21 +15,33 @@ step (and by ``HiCache.check()``):
   is exceeded; lock counts equal the requests holding each node; held
   paths are never evicted; device residency is closed under ancestors;
 - after every request is released and the cache cleared, every allocator
-  is back to its initial free count.
+  is back to its initial free count;
+- token ids come as lists, numpy arrays and tensors at random, so nodes of
+  either form meet queries of either form;
+- every page backed up to the host has its chain key, and every key a node
+  keeps is the chain recomputed here from its tokens (the seed from the
+  namespace), so keys stay exact through splits and evictions.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import Counter
 
+import numpy as np
 import torch
+import xxhash
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cache_testlib import HeldTransferEngine, common_pages, kv_matches, kv_values, write_kv
 from kvtier_testlib import make_device_pool, make_host_pool
 from kvtier.cache import CacheConfig, HiCache, LoadFailedError, StorageHook
+from kvtier.cache.hashing import namespace_seed
+
+DIGEST = {"sha256": lambda b: hashlib.sha256(b).digest(), "xxh3_128": xxhash.xxh3_128_digest}
+FORMS = {"list": list, "array": lambda seq: np.array(seq, dtype=np.int64), "tensor": torch.tensor}
 
 KINDS_LAYOUTS = [("mha", "layer_first"), ("mha", "page_first"), ("mha", "page_head"),
                  ("mla", "layer_first"), ("mla", "page_first"), ("dsa", "layer_first")]
@@ -63,8 +75,9 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(kind_layout=st.sampled_from(KINDS_LAYOUTS), page_size=st.sampled_from([1, 2, 4]),
                 write=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
                 eviction=st.sampled_from(["lru", "lfu"]), with_host=st.sampled_from([True, True, True, False]),
-                dev_pages=st.integers(7, 14), host_ratio=st.sampled_from([0.5, 1, 2, 3]), seed=st.integers(0, 2**16))
-    def setup(self, kind_layout, page_size, write, eviction, with_host, dev_pages, host_ratio, seed):
+                dev_pages=st.integers(7, 14), host_ratio=st.sampled_from([0.5, 1, 2, 3]), seed=st.integers(0, 2**16),
+                key_hash=st.sampled_from(["xxh3_128", "sha256"]))
+    def setup(self, kind_layout, page_size, write, eviction, with_host, dev_pages, host_ratio, seed, key_hash):
         kind, layout = kind_layout
         ps = page_size if kind != "dsa" else max(page_size, 2)
         self.ps, self.rng = ps, random.Random(seed)
@@ -74,7 +87,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.host = make_host_pool(self.dev, layout, int(dev_size * host_ratio)) if with_host else None
         self.engine = HeldTransferEngine(self.host) if with_host else None
         cfg = CacheConfig(page_size=ps, write_policy=write, selective_hits=2, eviction=eviction,
-                          max_inflight_backups=3, max_inflight_loads=2)
+                          max_inflight_backups=3, max_inflight_loads=2, key_hash=key_hash)
         self.cache = HiCache(self.dev, self.host, cfg, transfer_engine=self.engine,
                              storage_hook=CallingBack(self) if with_host else None)
         self.dev_initial = self.cache.tiers.device_alloc.available_pages()
@@ -115,10 +128,11 @@ class CacheMachine(RuleBasedStateMachine):
     # -- rules -------------------------------------------------------------------------
 
     @precondition(lambda self: len(self.requests) < 3)
-    @rule(data=st.data(), ns=st.sampled_from(NAMESPACES), load=st.booleans(), lock_at_match=st.booleans())
-    def start_request(self, data, ns, load, lock_at_match):
+    @rule(data=st.data(), ns=st.sampled_from(NAMESPACES), load=st.booleans(), lock_at_match=st.booleans(),
+          form=st.sampled_from(sorted(FORMS)))
+    def start_request(self, data, ns, load, lock_at_match, form):
         seq = self.draw_seq(data, ns)
-        m = self.cache.match_prefix(list(seq), namespace=ns, lock=lock_at_match)
+        m = self.cache.match_prefix(FORMS[form](seq), namespace=ns, lock=lock_at_match)
         self.check_match_bounds(ns, seq, m)
         assert kv_matches(self.dev, m.device_indices, self.values(ns, seq)[: m.device_len])
         if not lock_at_match:
@@ -135,8 +149,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.requests.append(req)
 
     @precondition(lambda self: self.requests)
-    @rule(data=st.data())
-    def finish_request(self, data):
+    @rule(data=st.data(), form=st.sampled_from(sorted(FORMS)))
+    def finish_request(self, data, form):
         req = self.requests.pop(data.draw(st.integers(0, len(self.requests) - 1)))
         if req.load is not None:
             try:
@@ -156,7 +170,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         write_kv(self.dev, own[: L - p], vals[p:])
         slots = torch.cat([req.prefix, own[: L - p]])
-        cached = self.cache.insert(list(req.seq), slots, namespace=req.ns)
+        cached = self.cache.insert(FORMS[form](req.seq), slots, namespace=req.ns)
         assert cached >= req.m.device_len + req.m.host_len
         full = L // self.ps * self.ps
         self.cache.free_device(own[full - p :])
@@ -270,10 +284,10 @@ class CacheMachine(RuleBasedStateMachine):
             stack = [(child, []) for child in root.children.values()]
             while stack:
                 node, prefix = stack.pop()
-                toks = prefix + node.tokens.tolist()
+                toks = prefix + list(map(int, node.tokens))
                 assert node.lock_ref == locks[node]
                 assert node.device is not None or node.host is not None
-                assert len(node.hashes) * self.ps == len(node)
+                self.check_keys(root, node, toks[len(prefix):])
                 if node.device is not None:
                     dev_pages += node.device.tolist()
                     assert node.parent.parent is None or node.parent.device is not None
@@ -287,6 +301,21 @@ class CacheMachine(RuleBasedStateMachine):
                 stack += [(ch, toks) for ch in node.children.values()]
         assert len(set(dev_pages)) == len(dev_pages) == tree.device_pages
         assert len(set(host_pages)) == len(host_pages) == tree.host_pages
+
+    def check_keys(self, root, node, tokens):
+        """A backed-up page has its key; a kept key is the chain recomputed from the tokens."""
+        assert node.host is None or node.hashes is not None, "a host page without its chain key"
+        if node.hashes is None:
+            return
+        algo = self.cache.config.key_hash
+        parent = node.parent.hashes
+        prev = namespace_seed(self.cache.salt, root.namespace, algo) if node.parent is root else parent[-1]
+        assert node.parent is not root or parent == [prev]
+        want = []
+        for i in range(0, len(tokens), self.ps):
+            prev = DIGEST[algo](prev + np.array(tokens[i : i + self.ps], dtype="<i8").tobytes())
+            want.append(prev)
+        assert node.hashes == want, "a kept chain key is not its page's"
 
     def teardown(self):
         if not hasattr(self, "cache"):

@@ -115,7 +115,7 @@ def _cached_pages_intact(cache) -> bool:
     hook, dev = cache.tiers.storage_hook, cache.device_pool
     for node in cache.tree.nodes():
         path = cache.tree.path_to(node)
-        toks = [t for n in path for t in n.tokens.tolist()]
+        toks = [t for n in path for t in map(int, n.tokens)]
         vals = kv_values(toks, NAMESPACES.index(node.namespace))[len(toks) - len(node):]
         if node.device is not None and node.device_ready:
             slots = (torch.from_numpy(node.device)[:, None] * PS + torch.arange(PS)).reshape(-1)

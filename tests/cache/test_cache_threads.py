@@ -17,7 +17,7 @@ def all_device_bytes_intact(cache) -> bool:
     for node in cache.tree.nodes():
         if node.device is None or not node.device_ready:
             continue
-        toks = [t for n in cache.tree.path_to(node) for t in n.tokens.tolist()]
+        toks = [t for n in cache.tree.path_to(node) for t in map(int, n.tokens)]
         slots = (torch.from_numpy(node.device)[:, None] * ps + torch.arange(ps)).reshape(-1)
         if not kv_matches(dev, slots, kv_values(toks, 0)[len(toks) - len(node):]):
             return False
