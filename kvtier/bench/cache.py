@@ -229,11 +229,12 @@ class Trees:
             return us, out[0]
         slots = self.kv["list"].match_prefix(as_list, count=False).device_indices  # any slot values do
         values = torch.cat([slots, torch.arange(len(slots), full)])
+        # The other trees keep the key they are given; kvtier keeps a copy of the caller's list (which the
+        # caller may go on changing): each is timed from the engine's token list, making its key included.
         if name == "reference":
-            vals, toks = values.tolist(), as_list[:full]
-            return timed_us(lambda: out.append(self.ref.insert(toks, vals))), out[0]
-        key = self.rc.RadixKey(as_list[:full])
-        return timed_us(lambda: out.append(self.sgl.insert(key, values))), out[0]
+            vals = values.tolist()
+            return timed_us(lambda: out.append(self.ref.insert(as_list[:full], vals))), out[0]
+        return timed_us(lambda: out.append(self.sgl.insert(self.rc.RadixKey(as_list[:full]), values))), out[0]
 
     def undo(self, name: str, seq: np.ndarray, as_list: list[int], before: int) -> None:
         """Take out what :meth:`insert` of ``seq`` added (the leaf past ``before`` tokens)."""

@@ -12,6 +12,7 @@ import weakref
 import numpy as np
 import torch
 
+from ..transfer.slots import one_run
 from ..validate import require_readable
 from .config import CacheConfig
 from .tiers import REQUEST as _REQUEST
@@ -127,6 +128,8 @@ class PageRuns:
             firsts = slots[::page_size]
             if len(firsts) and firsts.min() >= 0 and firsts.max() < size and not (firsts % page_size).any():
                 return PageRuns(firsts // page_size)
+        if n and one_run(slots):  # as an allocator hands them out: one comparison pass, no index arrays
+            return PageRuns._one(slots, page_size, size)
         starts = _run_starts(slots)
         ends = starts[1:] + [n] if n else []
         firsts, lasts = slots[starts].tolist(), slots[[e - 1 for e in ends]].tolist()
@@ -141,6 +144,19 @@ class PageRuns:
                 raise ValueError(f"indices {slots[at:at + 4].tolist()}... at position {at} are not one whole "
                                  f"page (expected p*{page_size} .. p*{page_size}+{page_size - 1})")
         return PageRuns(slots[::page_size] // page_size, [p // page_size for p in starts])
+
+    @staticmethod
+    def _one(slots: np.ndarray, page_size: int, size: int) -> "PageRuns":
+        """:meth:`of_slots` of slots that are one run ``f, f + 1, ...`` (same checks, same errors)."""
+        n, f = len(slots), int(slots[0])
+        if f < 0 or f + n > size:
+            raise ValueError(f"index {f if f < 0 else f + n - 1} is out of range: valid slots are 0..{size - 1}")
+        if page_size == 1:
+            return PageRuns(slots, [0], [f])
+        if f % page_size:
+            raise ValueError(f"indices {slots[:4].tolist()}... at position 0 are not one whole "
+                             f"page (expected p*{page_size} .. p*{page_size}+{page_size - 1})")
+        return PageRuns(slots[::page_size] // page_size, [0], [f // page_size])
 
     def tail(self, k: int) -> "PageRuns":
         """``pages[k:]`` and its runs."""

@@ -54,7 +54,7 @@ class Runs:
         n = int(host_idx.size)
         if not n:
             return Runs(0, (), ())
-        if _one_run(host_idx):
+        if one_run(host_idx):
             return Runs(n, (n,), (1,))
         starts = run_starts(host_idx)  # more than one run: the shortcut above takes one
         lengths = np.diff(np.append(starts, n))
@@ -77,7 +77,7 @@ class Runs:
         return _mean_class(self.n, sum(self.counts))
 
 
-def _one_run(host_idx: np.ndarray) -> bool:
+def one_run(host_idx: np.ndarray) -> bool:
     """One run, as an allocator hands slots out (``host_idx`` not empty): strictly increasing
     over a span of n - 1 slots is first, first + 1, ... One comparison pass, no index arrays."""
     return (int(host_idx[-1]) - int(host_idx[0]) == host_idx.size - 1
@@ -93,7 +93,7 @@ def run_count(host_idx: np.ndarray) -> int:
     in one comparison pass, without their lengths (a tenth of :meth:`Runs.of`'s time)."""
     if host_idx.size == 0:
         return 0
-    return 1 if _one_run(host_idx) else 1 + int(np.count_nonzero(np.diff(host_idx) != 1))
+    return 1 if one_run(host_idx) else 1 + int(np.count_nonzero(np.diff(host_idx) != 1))
 
 
 def run_class(host_idx: np.ndarray, runs: Runs | None = None) -> int:
