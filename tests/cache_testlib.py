@@ -343,3 +343,44 @@ class FlakyTransferEngine:
             self._cv.notify_all()
         for t in self._threads:
             t.join(timeout=30)
+
+
+# -- a cache with a storage tier over a real directory ----------------------------------------
+
+class GatedStore:
+    """Mixed into a real :class:`~kvtier.storage.file.FileBackend`: reads wait while ``closed``
+    (a slow disk the test controls); ``reads`` counts them."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.open_gate = threading.Event()
+        self.open_gate.set()
+        self.reads = 0
+
+    def get_into(self, keys, buffers):
+        self.reads += 1
+        self.open_gate.wait(30)
+        return super().get_into(keys, buffers)
+
+
+def make_storage_cache(path, kind="mha", layout="page_first", page_size=4, dev_pages=16, host_pages=16,
+                       capacity_pages=64, held=False, tier_config=None, model_id="test/model", tp=(0, 1), **config):
+    """(cache, device pool, host pool, held engine or None, tier): a cache whose storage tier keeps
+    its pages in the directory ``path`` (a file store gated by the test: ``tier.backend.open_gate``)."""
+    from kvtier.cache import CacheConfig, HiCache
+    from kvtier.storage.file import FileBackend, FileConfig
+    from kvtier.storage.format import PageCodec, StorageSalt
+    from kvtier.storage.tier import StorageTier, TierConfig
+    from kvtier_testlib import make_device_pool, make_host_pool
+
+    dev = make_device_pool(kind, dev_pages * page_size, page_size, torch.float16, 2, heads=2, head_dim=4, lora=6,
+                           rope=2)
+    host = make_host_pool(dev, layout, host_pages * page_size)
+    salt = StorageSalt(host.spec, page_size, model_id, tp_rank=tp[0], tp_size=tp[1])
+    store = type("GatedFileStore", (GatedStore, FileBackend), {})(
+        FileConfig(str(path), capacity_pages * PageCodec(salt).blob_bytes))
+    tier = StorageTier(store, salt, tier_config or TierConfig(prefetch_timeout_s=2.0))
+    engine = HeldTransferEngine(host) if held else None
+    cache = HiCache(dev, host, CacheConfig(page_size=page_size, model_id=model_id, **config), transfer_engine=engine,
+                    storage=tier)
+    return cache, dev, host, engine, tier

@@ -107,7 +107,7 @@ def _seconds(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _drop_page_cache(root: str) -> None:
+def drop_page_cache(root: str) -> None:
     """Write every file under ``root`` back and drop it from the page cache."""
     for path, _, files in os.walk(root):
         for name in files:
@@ -160,20 +160,20 @@ def one_repeat(case: Case, cold: bool, flip: bool, with_tier: bool) -> dict[str,
         case.raw.delete(case.keys)
         raw["put"] = _seconds(lambda: case.raw.put(case.keys, case.blobs))
         if cold:
-            _drop_page_cache(case.workdir)
+            drop_page_cache(case.workdir)
         raw["get"] = _seconds(lambda: case.raw.get(case.keys, [memoryview(b) for b in case.buffers]))
 
     def kvtier_side():
         case.backend.delete(case.keys)
         out["put"] = _seconds(lambda: kvtier_put(case))
         if cold:
-            _drop_page_cache(case.workdir)
+            drop_page_cache(case.workdir)
         out["get"] = _seconds(lambda: kvtier_get(case))
         if with_tier:
             case.backend.delete(case.keys)
             out["save"] = _seconds(lambda: tier_save(case))
             if cold:
-                _drop_page_cache(case.workdir)
+                drop_page_cache(case.workdir)
             out["prefetch"] = _seconds(lambda: tier_prefetch(case))
 
     for side in ((kvtier_side, raw_side) if flip else (raw_side, kvtier_side)):

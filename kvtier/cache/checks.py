@@ -12,9 +12,11 @@ import weakref
 import numpy as np
 import torch
 
+from ..storage.tier import StorageTier
 from ..transfer.slots import one_run
 from ..validate import require_readable
 from .config import CacheConfig
+from .radix import Node
 from .tiers import REQUEST as _REQUEST
 
 # At most this many runs are checked and marked a slice each; more take one gather or scatter
@@ -217,6 +219,48 @@ def check_pools(device_pool, host_pool, config, engine) -> None:
                              "TransferEngine(host_pool, ...) from this cache's host pool")
     elif engine is not None:
         raise ValueError("transfer_engine given without a host_pool; a device-only cache moves nothing")
+
+
+def check_node(tree, node) -> None:
+    """``node`` is a live node of ``tree`` (a ``MatchResult.node``): ``TypeError`` or ``ValueError`` otherwise."""
+    if not isinstance(node, Node):
+        raise TypeError(f"expected a MatchResult.node, got {type(node).__name__}")
+    if not node.alive:
+        raise ValueError("this node was evicted from the cache; match_prefix again")
+    top = node
+    while top.parent is not None:
+        top = top.parent
+    if tree.roots.get(top.namespace) is top:
+        return
+    # An empty match's root, dropped while its namespace held nothing (RadixTree.drop_if_empty).
+    if not (top is node and not node.children and node.owner is tree):
+        raise ValueError("this node belongs to another cache (or one cleared since); match_prefix again")
+
+
+def pages_of(n_tokens, name: str, page_size: int, round_up: bool = False) -> int:
+    """``n_tokens`` (a non-negative integer) in whole pages: rounded up, or refused unless whole."""
+    if not isinstance(n_tokens, (int, np.integer)) or isinstance(n_tokens, bool) or n_tokens < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {n_tokens!r}")
+    if round_up:
+        return -(-int(n_tokens) // page_size)
+    if n_tokens % page_size:
+        up = -(-int(n_tokens) // page_size) * page_size
+        raise ValueError(f"{name}={n_tokens} is not a multiple of page_size={page_size}; ask for {up}")
+    return int(n_tokens) // page_size
+
+
+def check_storage(storage, host_pool, storage_hook) -> None:
+    """A storage tier for a cache over ``host_pool``: a ``StorageTier`` of the pool's shape and page
+    size, and no ``storage_hook`` beside it; ``TypeError`` or ``ValueError`` otherwise."""
+    if storage is None:
+        return
+    if not isinstance(storage, StorageTier):
+        raise TypeError(f"storage must be a kvtier.storage.tier.StorageTier, got {type(storage).__name__}")
+    if host_pool is None:
+        raise ValueError("a storage tier needs a host pool: its pages are read into host pages; give host_pool")
+    if storage_hook is not None:
+        raise ValueError("give storage or storage_hook, not both: the storage tier takes the evicted host pages")
+    storage.codec.check_pool(host_pool)
 
 
 def claim_device_pool(device_pool, cache) -> None:

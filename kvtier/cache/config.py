@@ -12,6 +12,8 @@ from .hashing import KEY_HASHES
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 EVICTION_POLICIES = ("lru", "lfu")
+STORAGE_WRITES = ("write_back", "write_through")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,15 @@ class CacheConfig:
     - ``bandwidth_ewma``: weight of the newest measurement in the bandwidth
       estimate (0 < w <= 1).
     - ``advisor_margin``: load when ``load_seconds <= margin * recompute_seconds``.
+    - ``storage_write`` (with a storage tier): when host pages are saved to it, ``write_back``
+      (as host eviction frees them) or ``write_through`` (as soon as their backup to the host
+      has landed).
+    - ``storage_prefetch``: how long ``load_back`` waits for a match's prefetch from storage:
+      ``best_effort`` (not at all: the pages arrived by then), ``wait_complete`` (until it is
+      done) or ``timeout`` (until its deadline, from the page count and the measured read
+      bandwidth: ``StorageTier.prefetch_timeout``).
+    - ``storage_min_pages``: the fewest whole pages past a match worth a storage lookup.
+    - ``max_inflight_prefetches``: bound of the prefetches in flight; a match past it starts none.
     """
 
     page_size: int
@@ -58,6 +69,10 @@ class CacheConfig:
     load_gbps_prior: float = 0.0
     bandwidth_ewma: float = 0.25
     advisor_margin: float = 1.0
+    storage_write: str = "write_back"
+    storage_prefetch: str = "timeout"
+    storage_min_pages: int = 1
+    max_inflight_prefetches: int = 16
 
     def __post_init__(self) -> None:
         require_positive_int("page_size", self.page_size)
@@ -78,6 +93,10 @@ class CacheConfig:
         _finite("bandwidth_ewma", self.bandwidth_ewma, low=0.0, strict=True)
         if self.bandwidth_ewma > 1:
             raise ValueError(f"bandwidth_ewma must be in (0, 1], got {self.bandwidth_ewma!r}")
+        _choice("storage_write", self.storage_write, STORAGE_WRITES)
+        _choice("storage_prefetch", self.storage_prefetch, PREFETCH_POLICIES)
+        require_positive_int("storage_min_pages", self.storage_min_pages)
+        require_positive_int("max_inflight_prefetches", self.max_inflight_prefetches)
 
 
 def _choice(name: str, value, options: tuple[str, ...]) -> None:

@@ -8,14 +8,14 @@ before anything changes.
 
 A request's life::
 
-    m = cache.match_prefix(tokens)          # device part + host extension
+    m = cache.match_prefix(tokens)          # device part + host extension (+ a storage prefetch)
     cache.lock(m.node)                      # nothing on the path is evicted now
-    r = cache.load_back(m)                  # host part -> device, layer by layer
+    r = cache.load_back(m)                  # host (and storage) part -> device, layer by layer
     own = cache.alloc_device(n)             # slots for the tokens it computes
     ...                                     # attention waits on r.layer_load
     cache.insert(tokens, slots)             # the tree takes the full pages
     cache.free_device(partial_page_slots)
-    cache.unlock(m.node)
+    cache.unlock(r.node)                    # m.node, unless storage pages moved the lock down
 """
 
 from __future__ import annotations
@@ -28,17 +28,18 @@ import numpy as np
 import torch
 
 from ..transfer.engine import TransferEngine
-from .advisor import Advice, advise
 from .config import CacheConfig
 from .hashing import ChainKeys
 from .inflight import LOAD, CacheLoad
 from .invariants import check_cache
-from .metrics import CacheMetrics
+from .metrics import CacheMetrics, cache_state
 from .policy import make_policies
 from .radix import Node, RadixTree, load_tokens, ready_prefix, stored
 from ..validate import check_namespace, is_int
-from .checks import PageRuns, as_slots, as_tokens, check_insert_pages, check_pools, claim_device_pool
-from .tiers import REQUEST, TREE, Tiers, concat, tokens_of
+from .checks import (PageRuns, as_slots, as_tokens, check_insert_pages, check_node, check_pools, check_storage,
+                     claim_device_pool, pages_of)
+from .storage import Advice, CacheStorage, advise_match
+from .tiers import TREE, Tiers, concat, tokens_of
 from .types import LoadResult, MatchResult, StorageHook
 
 logger = logging.getLogger("kvtier")
@@ -52,12 +53,16 @@ class HiCache:
     :meth:`alloc_device`; a second cache over the same pool is refused while
     this one lives), the host pool's allocator, and a transfer engine
     (``transfer_engine`` overrides the one built from ``config.io_backend``).
+    ``storage``: a :class:`~kvtier.storage.tier.StorageTier` behind the host tier
+    (:mod:`.storage`), whose owner closes it; or ``storage_hook``, where evicted host
+    pages are offered instead (not both).
     """
 
     def __init__(self, device_pool, host_pool=None, config: CacheConfig | None = None, *,
-                 storage_hook: StorageHook | None = None, transfer_engine=None):
+                 storage_hook: StorageHook | None = None, transfer_engine=None, storage=None):
         config = CacheConfig(page_size=device_pool.page_size) if config is None else config
         check_pools(device_pool, host_pool, config, transfer_engine)
+        check_storage(storage, host_pool, storage_hook)
         self.device_pool, self.host_pool = device_pool, host_pool
         claim_device_pool(device_pool, self)
         self.config = config
@@ -71,9 +76,14 @@ class HiCache:
         self._lock = threading.RLock()
         self.tree = RadixTree(ps)
         self.eviction_policy, self.write_policy = make_policies(config)
-        self.metrics = CacheMetrics(self._state, self._lock)
+        self.metrics = CacheMetrics(lambda: cache_state(self), self._lock)
         self.tiers = Tiers(device_pool, host_pool, config, self.tree, self.eviction_policy,
                            self.write_policy, self.metrics, transfer_engine, storage_hook, self.keys)
+        self.storage = None
+        if storage is not None:
+            self.storage = CacheStorage(storage, config, host_pool, self.tree, self.tiers, self.keys, self.metrics)
+            self.tiers.storage_hook = self.tiers.storage = self.storage
+            self.metrics.attach(storage.metrics.registry)
 
     # -- device slots for requests -------------------------------------------
 
@@ -83,9 +93,9 @@ class HiCache:
         None when even eviction cannot make room (backpressure: retry after
         requests finish, or preempt one).
         """
-        n_pages = self._pages_of(n_tokens, "n_tokens")
+        n_pages = pages_of(n_tokens, "n_tokens", self.page_size)
         with self._lock:
-            self.tiers.poll()
+            self._poll()
             pages = self.tiers.alloc_request(n_pages)
             if pages is None:
                 self.metrics.backpressure["alloc_device"].inc()
@@ -112,35 +122,53 @@ class HiCache:
         could come after another thread evicted the match. ``count=False``
         leaves the query and its hits out of the metrics, for a caller that
         may give the match up and ask again (a scheduler that finds no room):
-        it calls :meth:`count_match` once the request goes ahead.
+        it calls :meth:`count_match` once the request goes ahead. With a
+        storage tier, the query's whole pages past the match are looked up in
+        the store (the store is asked outside the cache's lock) and a prefetch
+        of those it holds into host pages starts: ``storage_len`` tokens.
         """
         tokens = as_tokens(token_ids)
         check_namespace(namespace)
+        storage = self.storage
         with self._lock:
-            if len(self.tiers.inflight):
-                self.tiers.poll()
-            root = self._root(namespace)
-            path, matched, partial = self.tree.walk(root, tokens)
-            if partial is not None:
-                path.append(self.tree.split(*partial))
-                matched += partial[1]
-            n_dev = ready_prefix(path)
-            dev_pages = concat([n.device for n in path[:n_dev]])
-            host_len = matched - len(dev_pages) * self.page_size
-            load_len = load_tokens(path[n_dev:])
-            node = path[-1] if path else root
-            # Locked before the hot pages' backup, which may evict host pages for room: the
-            # match's own host part must not be among them (it is reported cached).
-            self.tree.lock(node)
+            match = self._match(tokens, namespace, count)
+            keys = storage.wanted(match, tokens) if storage is not None else []
+            if not keys:
+                if not lock:
+                    self.tree.unlock(match.node)  # (a root left empty is dropped)
+                return match
+        found = storage.lookup(match.node, keys)
+        with self._lock:
             try:
-                if count:
-                    self._hit(path, n_dev, len(tokens), matched - load_len, load_len)
-            except BaseException:
-                self.tree.unlock(node)  # the caller gets no node to unlock
-                raise
-            if not lock:
-                self.tree.unlock(node)  # (a root left empty is dropped)
-            return MatchResult(tokens_of(dev_pages, self.page_size), host_len, node, namespace, load_len)
+                return storage.start(match, tokens, keys, found)
+            finally:
+                if not lock:
+                    self.tree.unlock(match.node)
+
+    def _match(self, tokens, namespace: str, count: bool) -> MatchResult:
+        """:meth:`match_prefix` in the tree, its node locked."""
+        self._poll()
+        root = self._root(namespace)
+        path, matched, partial = self.tree.walk(root, tokens)
+        if partial is not None:
+            path.append(self.tree.split(*partial))
+            matched += partial[1]
+        n_dev = ready_prefix(path)
+        dev_pages = concat([n.device for n in path[:n_dev]])
+        host_len = matched - len(dev_pages) * self.page_size
+        load_len = load_tokens(path[n_dev:])
+        stored = sum(len(n) for n in path[n_dev:] if n.device is None and n.from_storage)
+        node = path[-1] if path else root
+        # Locked before the hot pages' backup, which may evict host pages for room: the
+        # match's own host part must not be among them (it is reported cached).
+        self.tree.lock(node)
+        try:
+            if count:
+                self._hit(path, n_dev, len(tokens), matched - load_len, load_len, stored)
+        except BaseException:
+            self.tree.unlock(node)  # the caller gets no node to unlock
+            raise
+        return MatchResult(tokens_of(dev_pages, self.page_size), host_len, node, namespace, load_len, stored)
 
     def count_match(self, match: MatchResult, n_tokens: int) -> None:
         """What :meth:`match_prefix` does for a hit, for a match made with ``count=False`` (and
@@ -152,29 +180,30 @@ class HiCache:
             raise ValueError(f"n_tokens must be the query's length, an integer >= the {found} tokens it matched, "
                              f"got {n_tokens!r}")
         with self._lock:
-            self._check_node(match.node)
+            check_node(self.tree, match.node)
             path = self.tree.path_to(match.node)
             # As the match found them (a load_back since may have brought the host part over).
             host = match.host_only_len
-            self._hit(path, ready_prefix(path), n_tokens, match.total_len - host, host)
+            self._hit(path, ready_prefix(path), n_tokens, match.total_len - host, host, match.stored_len)
 
-    def _hit(self, path: list[Node], n_dev: int, n_tokens: int, on_device: int, host_only: int) -> None:
+    def _hit(self, path: list[Node], n_dev: int, n_tokens: int, on_device: int, host_only: int,
+             stored: int = 0) -> None:
         """A query of ``n_tokens`` matched ``path`` (its first ``n_dev`` nodes ready on the
         device): ``on_device`` tokens found there (after a page still loading, a page on the
-        device is a device hit), ``host_only`` on the host only."""
+        device is a device hit), ``host_only`` on the host only, ``stored`` of them read from storage."""
         self.tree.touch(path, hit=True)
-        self._count_match(n_tokens, on_device, host_only)
+        self._count_match(n_tokens, on_device, host_only, stored)
         self._backup_hot(path[:n_dev])
 
     def lock(self, node: Node) -> None:
         """Hold every node from the root to ``node``: none of them is evicted until unlocked."""
         with self._lock:
-            self._check_node(node)
+            check_node(self.tree, node)
             self.tree.lock(node)
 
     def unlock(self, node: Node) -> None:
         with self._lock:
-            self._check_node(node)
+            check_node(self.tree, node)
             # A node's own locks (a lock on a longer match holds this node too, but is that
             # match's to release).
             if node.parent is None and node.own_locks <= 0:
@@ -262,71 +291,92 @@ class HiCache:
 
     # -- host -> device --------------------------------------------------------
 
-    def load_back(self, match: MatchResult) -> LoadResult | None:
-        """Bring the match's host part onto the device; ``match.node`` must be locked.
+    def load_back(self, match: MatchResult, storage_tokens: int | None = None) -> LoadResult | None:
+        """Bring the match's host part and storage part onto the device; ``match.node`` must be locked.
 
-        Returns the device slots of the whole matched prefix and the
-        per-layer completion to wait on, or None when the device has no room
-        even after eviction (nothing changed then). Where a load fails, its
-        ``layer_load`` raises :class:`~.types.LoadFailedError` from every wait
-        (``layer_load.failed``): the request unlocks its match and matches
-        again; the cache keeps the host copy and goes on.
+        The storage part (``match.storage_len``, at most ``storage_tokens`` of it: the advice's
+        split) is waited for as ``storage_prefetch`` says, outside the cache's lock; what arrived
+        joins the tree and is loaded with the host part, and the request's lock moves down to its
+        deepest node (``LoadResult.node``: unlock that one). Returns the whole prefix's device slots
+        and the per-layer completion, or None when the device has no room even after eviction (the
+        lock stays on ``match.node``; what arrived stays on the host). A load that fails raises
+        :class:`~.types.LoadFailedError` from every wait of its ``layer_load``: the request
+        unlocks, then matches again; the cache keeps the host copy and goes on.
         """
+        want = self.storage.pages_wanted(match, storage_tokens) if self.storage is not None else 0
+        if want:
+            self.storage.wait(match.prefetch, want)
         with self._lock:
             node = match.node
-            self._check_node(node)
+            check_node(self.tree, node)
+            self._poll()  # a load that failed since is retired here: its pages are loaded again below
+            ext = self.storage.claim(match, want) if want else []
             if node.parent is not None and node.lock_ref == 0:
                 raise ValueError("lock(match.node) before load_back: an unlocked match may be evicted meanwhile")
-            self.tiers.poll()  # a load that failed since is retired here: its pages are loaded again below
-            path = self.tree.path_to(node)
-            rest = path[ready_prefix(path):]
-            to_load = [n for n in rest if n.device is None or n.stale]
-            # Pages still being loaded are waited for; a ready page's op, if any, is a backup
-            # reading it (it has no layers to wait on, and the load does not need it).
-            pending = list({id(n.op): n.op for n in rest
-                            if n.device is not None and not n.device_ready and n.op is not None}.values())
-            if to_load:
-                op = self.tiers.start_load(to_load)
-                if op is None:
-                    self.metrics.backpressure["load_back"].inc()
-                    return None
-                pending.append(op)
-            loaded = sum(len(n) for n in to_load)
-            layer_load = CacheLoad(pending, self.device_pool.layer_num)
-            dev = tokens_of(concat([n.device for n in path]), self.page_size)
-            self.tiers.poll()  # what finished meanwhile (on the CPU: this load)
-            return LoadResult(dev, layer_load, loaded)
+            if not ext or node.own_locks <= 0:  # (no lock of the caller's own at node to move down)
+                return self._load(node, [])
+            self.tree.lock(ext[-1])
+            self.tree.unlock(node)
+            result = self._load(ext[-1], ext)
+            if result is None:
+                self.tree.lock(node)
+                self.tree.unlock(ext[-1])
+            return result
+
+    def _load(self, node: Node, ext: list[Node]) -> LoadResult | None:
+        """Load the path to ``node`` (locked) onto the device; ``ext``: its nodes from storage."""
+        path = self.tree.path_to(node)
+        rest = path[ready_prefix(path):]
+        to_load = [n for n in rest if n.device is None or n.stale]
+        # Pages still being loaded are waited for; a ready page's op, if any, is a backup
+        # reading it (it has no layers to wait on, and the load does not need it).
+        pending = list({id(n.op): n.op for n in rest
+                        if n.device is not None and not n.device_ready and n.op is not None}.values())
+        if to_load:
+            op = self.tiers.start_load(to_load)
+            if op is None:
+                self.metrics.backpressure["load_back"].inc()
+                return None
+            pending.append(op)
+        from_storage = self.storage.loaded(to_load, ext) if self.storage is not None else 0
+        layer_load = CacheLoad(pending, self.device_pool.layer_num)
+        dev = tokens_of(concat([n.device for n in path]), self.page_size)
+        self.tiers.poll()  # what finished meanwhile (on the CPU: this load)
+        return LoadResult(dev, layer_load, sum(len(n) for n in to_load), node, from_storage)
 
     def advise(self, match: MatchResult, prefill_seconds_per_token: float) -> Advice:
-        """Load the match's host part, or recompute it? From the measured load bandwidth."""
+        """Load the match's host part, or recompute it? And how much of its storage part? From the
+        measured bandwidths and the caller's prefill estimate (:func:`.storage.advise_match`)."""
         v = prefill_seconds_per_token
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise ValueError(f"prefill_seconds_per_token must be a finite number >= 0, got {v!r}")
         with self._lock:
-            if match.host_len and not match.host_only_len:
-                # Nothing to move: the host part is on the device behind a page another request is
-                # loading; load_back waits for that load, which recomputing would not beat.
-                return Advice(True, 0, 0, 0.0, match.host_len * float(v), self.tiers.meters[LOAD].bps)
-            a = advise(match.host_only_len, self.tiers.token_bytes, self.tiers.meters[LOAD], float(v),
-                       self.config.advisor_margin)
-            if a.host_tokens:
-                self.metrics.advice[a.decision].inc()
-            return a
+            return advise_match(match, float(v), self.tiers.meters[LOAD], self.tiers.token_bytes, self.config,
+                                self.metrics, self.storage)
 
     # -- housekeeping ------------------------------------------------------------
 
     def poll(self) -> int:
-        """Complete finished backups and loads; returns how many completed."""
+        """Complete finished backups and loads, and storage prefetches done or past their deadline
+        (their pages join the host tier); returns how many transfers completed."""
         with self._lock:
-            return self.tiers.poll()
+            return self._poll()
+
+    def _poll(self) -> int:
+        """:meth:`poll` under the lock, where no call holds nodes it is working on (a prefetch
+        joining the tree may split one)."""
+        done = self.tiers.poll() if len(self.tiers.inflight) else 0
+        if self.storage is not None:
+            self.storage.poll()
+        return done
 
     def evict_device(self, n_tokens: int) -> int:
         """Free at least ``n_tokens`` device slots of unlocked cached pages if possible; returns slots freed."""
-        want = self._pages_of(n_tokens, "n_tokens", round_up=True)
+        want = pages_of(n_tokens, "n_tokens", self.page_size, round_up=True)
         with self._lock:
             free = self.tiers.device_alloc.available_pages
             start = free()
-            self.tiers.poll()  # transfers that finished: their pages may go now
+            self._poll()  # transfers that finished: their pages may go now
             self.tiers.evict_device(want)
             while free() - start < want and len(self.tiers.inflight):
                 self.tiers.wait_oldest()  # demotions landing (or failing: then dropped)
@@ -335,21 +385,37 @@ class HiCache:
 
     def evict_host(self, n_tokens: int) -> int:
         """Free up to ``n_tokens`` host slots (rounded up to pages); returns slots freed."""
-        want = self._pages_of(n_tokens, "n_tokens", round_up=True)
+        want = pages_of(n_tokens, "n_tokens", self.page_size, round_up=True)
         with self._lock:
             if self.host_pool is None:
                 return 0
-            self.tiers.poll()
+            self._poll()
             return self.tiers.evict_host(want) * self.page_size
 
+    def flush(self, timeout: float | None = None, save_host: bool = False) -> bool:
+        """Complete what is in flight: every transfer, and every storage prefetch (those still
+        reading stop; what arrived joins the host tier); with ``save_host``, save every page the
+        host tier holds to storage (write-back at shutdown); then wait until the storage tier has
+        written every save queued. True once all is written (False: ``timeout`` s passed first)."""
+        with self._lock:
+            self.tiers.wait_all()
+            if self.storage is not None:
+                for pf in list(self.storage.pending.values()):
+                    self.storage.settle(pf)
+                if save_host:
+                    self.storage.save_host()
+        return self.storage is None or self.storage.tier.flush(timeout)
+
     def clear(self) -> None:
-        """Wait for transfers in flight (retiring any that failed), then drop every cached page
-        of both tiers.
+        """Stop storage prefetches in flight (their pages freed), wait for transfers in flight
+        (retiring any that failed), then drop every cached page of both tiers.
 
         Slots requests hold (from alloc_device) stay theirs. Raises if a node
-        is still locked, before changing anything.
+        is still locked, before changing anything else.
         """
         with self._lock:
+            if self.storage is not None:
+                self.storage.drop_all()  # (their locks on the nodes they continue go with them)
             if self.tree.locked_nodes:
                 raise RuntimeError(
                     f"{self.tree.locked_nodes} cached nodes are locked; unlock every matched node before clear()"
@@ -371,11 +437,8 @@ class HiCache:
 
     def host_free_tokens(self) -> int:
         """Host slots free or held by unlocked cached pages (0 without a host pool)."""
-        if self.host_pool is None:
-            return 0
         with self._lock:
-            t = self.tree
-            return (self.tiers.host_alloc.available_pages() + t.host_pages - t.host_locked_pages) * self.page_size
+            return self.tiers.host_room() * self.page_size
 
     # -- chain keys (the storage tier's page names: hashing.py) --------------------
 
@@ -385,23 +448,14 @@ class HiCache:
         tokens = as_tokens(token_ids)
         check_namespace(namespace)
         with self._lock:
-            root = self.tree.root(namespace)
-            if root is None:  # nothing cached in it: no root made for a read
-                return self.keys.chain(self.keys.seed(namespace), tokens)
-            path, matched, partial = self.tree.walk(root, tokens)
-            known = [h for n in path for h in self.keys.of_node(n)]
-            if partial is not None:
-                known += self.keys.of_node(partial[0])[: partial[1] // self.page_size]
-                matched += partial[1]
-            prev = known[-1] if known else self.keys.of_node(root)[-1]
-            return known + self.keys.chain(prev, tokens[matched:])
+            return self.keys.of_query(self.tree, namespace, tokens)
 
     def chain_keys(self, node: Node) -> list[bytes]:
         """The chain keys of ``node``'s pages (a ``MatchResult.node``; [] for a root): what the
         storage tier stores them under. Computed on first use, with any of its ancestors'
         that are missing, and kept."""
         with self._lock:
-            self._check_node(node)
+            check_node(self.tree, node)
             return [] if node.parent is None else list(self.keys.of_node(node))
 
     def chain_keys_after(self, match: MatchResult, token_ids) -> list[bytes]:
@@ -413,7 +467,7 @@ class HiCache:
             raise ValueError(f"token_ids holds {len(tokens)} tokens, fewer than the {match.total_len} the match "
                              "covers; pass the query the match was made of")
         with self._lock:
-            self._check_node(match.node)
+            check_node(self.tree, match.node)
             prev = self.keys.of_node(match.node)[-1]
             return self.keys.chain(prev, tokens[match.total_len :])
 
@@ -422,13 +476,12 @@ class HiCache:
     def _root(self, namespace: str) -> Node:
         return self.tree.root(namespace, create=True)
 
-    def _count_match(self, n_tokens: int, device: int, host: int) -> None:
+    def _count_match(self, n_tokens: int, device: int, host: int, stored: int = 0) -> None:
         m = self.metrics
         m.query_tokens.inc(n_tokens - n_tokens % self.page_size)
-        if device:
-            m.hit_tokens["device"].inc(device)
-        if host:
-            m.hit_tokens["host"].inc(host)
+        for tier, n in (("device", device), ("host", host - stored), ("storage", stored)):
+            if n:
+                m.hit_tokens[tier].inc(n)
 
     def _backup_hot(self, device_path: list[Node]) -> None:
         if self.engine is None:
@@ -437,47 +490,8 @@ class HiCache:
         if hot:
             self._optional_backup(hot)
 
-    def _check_node(self, node) -> None:
-        if not isinstance(node, Node):
-            raise TypeError(f"expected a MatchResult.node, got {type(node).__name__}")
-        if not node.alive:
-            raise ValueError("this node was evicted from the cache; match_prefix again")
-        top = node
-        while top.parent is not None:
-            top = top.parent
-        if self.tree.roots.get(top.namespace) is top:
-            return
-        # An empty match's root, dropped while its namespace held nothing (RadixTree.drop_if_empty).
-        if not (top is node and not node.children and node.owner is self.tree):
-            raise ValueError("this node belongs to another cache (or one cleared since); match_prefix again")
-
-    def _pages_of(self, n_tokens, name: str, round_up: bool = False) -> int:
-        if not isinstance(n_tokens, (int, np.integer)) or isinstance(n_tokens, bool) or n_tokens < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {n_tokens!r}")
-        if round_up:
-            return -(-int(n_tokens) // self.page_size)
-        if n_tokens % self.page_size:
-            up = -(-int(n_tokens) // self.page_size) * self.page_size
-            raise ValueError(f"{name}={n_tokens} is not a multiple of page_size={self.page_size}; ask for {up}")
-        return int(n_tokens) // self.page_size
-
     def _slot_pages(self, slots, name: str, whole: bool = True) -> PageRuns:
         try:
             return PageRuns.of_slots(slots, self.page_size, self.tiers.device_alloc.size, whole)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
-
-    def _state(self) -> dict:
-        with self._lock:
-            t, ps, tiers = self.tree, self.page_size, self.tiers
-            tokens = {
-                ("device", "cached"): t.device_pages * ps, ("device", "locked"): t.device_locked_pages * ps,
-                ("device", "free"): tiers.device_alloc.available_pages() * ps,
-                ("device", "request"): int((tiers.owner == REQUEST).sum()) * ps,
-                ("host", "cached"): t.host_pages * ps, ("host", "locked"): t.host_locked_pages * ps,
-                ("host", "free"): tiers.host_alloc.available_pages() * ps if tiers.host_alloc else 0,
-            }
-            depth = {k: tiers.inflight.depth(k) for k in ("backup", "load")}
-            bw = {k: m.bps for k, m in tiers.meters.items()}
-            return {"tokens": tokens, "queue_depth": depth, "bandwidth": bw}
-

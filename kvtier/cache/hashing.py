@@ -82,6 +82,21 @@ class ChainKeys:
     def chain(self, prev: bytes, tokens) -> list[bytes]:
         return chain_hashes(prev, tokens, self.page_size, self.algorithm)
 
+    def of_query(self, tree, namespace: str, tokens) -> list[bytes]:
+        """The keys of every whole page of ``tokens`` in ``namespace`` of ``tree`` (a
+        :class:`~.radix.RadixTree`): those of the cached pages they follow computed once and
+        kept on their nodes, the rest chained on from there."""
+        root = tree.root(namespace)
+        if root is None:  # nothing cached in it: no root made for a read
+            return self.chain(self.seed(namespace), tokens)
+        path, matched, partial = tree.walk(root, tokens)
+        known = [h for n in path for h in self.of_node(n)]
+        if partial is not None:
+            known += self.of_node(partial[0])[: partial[1] // self.page_size]
+            matched += partial[1]
+        prev = known[-1] if known else self.of_node(root)[-1]
+        return known + self.chain(prev, tokens[matched:])
+
     def of_node(self, node) -> list[bytes]:
         """The keys of ``node``'s pages; computed on first use with those of its ancestors
         that lack theirs, and kept on each node (a split divides them)."""

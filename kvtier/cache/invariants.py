@@ -22,9 +22,12 @@ def check_cache(cache) -> None:
     nodes = list(tree.nodes())
     check_tree(tree, nodes)
     check_device_pages(tiers, nodes)
+    held = cache.storage.held_pages() if cache.storage is not None else []
     if tiers.host_alloc is not None:
-        check_host_pages(tiers, nodes)
+        check_host_pages(tiers, nodes, held)
     check_inflight(tiers, nodes)
+    if cache.storage is not None:
+        check_prefetches(cache.storage, tree)
 
 
 def _fail(node: Node | None, what: str):
@@ -104,12 +107,12 @@ def check_device_pages(tiers, nodes: list[Node]) -> None:
         _fail(None, "a device page has an owner mark that is none of free, request, tree")
 
 
-def check_host_pages(tiers, nodes: list[Node]) -> None:
-    """Host pages of nodes and of offers to the storage hook are allocated, each held once (the
-    host pool's allocator may hand out other pages too: a storage tier's own)."""
+def check_host_pages(tiers, nodes: list[Node], prefetching: list[np.ndarray] = ()) -> None:
+    """Host pages of nodes, of offers to the storage hook and of storage prefetches in flight
+    are allocated, each held once (the host pool's allocator may hand out other pages too)."""
     alloc = tiers.host_alloc
     alloc.check()
-    held = concat([n.host for n in nodes if n.host is not None] + tiers.held_for_offers())
+    held = concat([n.host for n in nodes if n.host is not None] + tiers.held_for_offers() + list(prefetching))
     _unique(held, "host")
     allocated = alloc.allocated_mask()[held]
     if not allocated.all():
@@ -146,3 +149,20 @@ def _check_op_node(op, n: Node) -> None:
         _fail(n, "is being loaded but is not a ready host copy with device pages not ready")
     if op.kind == BACKUP and (n.host is None or n.host_ready or n.device is None or not n.device_ready):
         _fail(n, "is being backed up but is not a ready device copy with host pages not ready")
+
+
+def check_prefetches(storage, tree: RadixTree) -> None:
+    """Each storage prefetch in flight is filed under its anchor and first key, holds one host
+    page per key, and holds a lock of its own on its anchor, a live node of the tree."""
+    anchored: Counter = Counter()
+    for (anchor, first), pf in storage.pending.items():
+        if pf.anchor is not anchor or pf.keys[0] != first or pf.done:
+            _fail(anchor, "files a storage prefetch that is not its own, or one completed")
+        if len(pf.pages) != len(pf.keys) or len(pf.tokens) != len(pf.keys) * tree.page_size:
+            _fail(anchor, f"has a prefetch of {len(pf.keys)} keys into {len(pf.pages)} host pages")
+        if not anchor.alive:
+            _fail(anchor, "anchors a storage prefetch but left the tree")
+        anchored[anchor] += 1
+    for anchor, n in anchored.items():
+        if anchor.own_locks < n:
+            _fail(anchor, f"anchors {n} storage prefetches but holds {anchor.own_locks} locks of its own")

@@ -14,8 +14,11 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 
+from .tiers import REQUEST
+
 PREFIX = "kvtier_cache_"
 TIERS = ("device", "host")
+HIT_TIERS = ("device", "host", "storage")
 DIRECTIONS = ("backup", "load")
 
 
@@ -60,7 +63,7 @@ class CacheMetrics:
         self.query_tokens = counter("query_tokens", "Whole-page prompt tokens looked up")
         hits = counter("hit_tokens", "Prompt tokens found, by the tier that held them (host hits the "
                        "advisor had recomputed too: see advice)", ["tier"])
-        self.hit_tokens = {t: hits.labels(tier=t) for t in TIERS}
+        self.hit_tokens = {t: hits.labels(tier=t) for t in HIT_TIERS}
         ev = counter("evicted_tokens", "Tokens evicted from a tier", ["tier"])
         self.evicted_tokens = {t: ev.labels(tier=t) for t in TIERS}
         self.demoted_tokens = counter("demoted_tokens", "Device tokens given a host copy on eviction")
@@ -83,12 +86,20 @@ class CacheMetrics:
         self.storage_offered_pages = counter("storage_offered_pages", "Host pages offered to the storage hook")
         self.storage_offer_failures = counter("storage_offer_failures",
                                               "Offers to the storage hook that raised (their pages freed all the same)")
+        refused = counter("storage_prefetch_refused", "Storage hits not prefetched", ["reason"])
+        self.prefetch_refused = {r_: refused.labels(reason=r_) for r_ in ("queue_full", "host_full")}
         r.register(_StateCollector(state))
 
+    def attach(self, registry: CollectorRegistry) -> None:
+        """Serve another registry's metrics (a storage tier's, ``kvtier_storage_*``) from this one."""
+        self.registry.register(_Forward(registry))
+
     def snapshot(self) -> dict[str, float]:
-        """Every sample as ``{"name.label1.label2": value}`` (name without the prefix), read under
-        the cache's lock (``lock``): the counters of one operation are all in, or none (a match
-        between reading the queried and the hit tokens showed more hits than queries)."""
+        """Every sample as ``{"name.label1.label2": value}`` (name without the prefix; a storage
+        tier's as ``storage_<name>``, with ``storage_corrupt`` and ``storage_foreign``: the pages
+        it rejected on read, summed), read under the cache's lock (``lock``): the counters of one
+        operation are all in, or none (a match between reading the queried and the hit tokens
+        showed more hits than queries)."""
         out: dict[str, float] = {}
         with self._lock:
             metrics = list(self.registry.collect())
@@ -96,6 +107,40 @@ class CacheMetrics:
             for s in metric.samples:
                 if s.name.endswith("_created"):
                     continue
-                key = ".".join([s.name.removeprefix(PREFIX), *s.labels.values()])
+                key = ".".join([s.name.removeprefix(PREFIX).removeprefix("kvtier_"), *s.labels.values()])
                 out[key] = s.value
+        if "storage_foreign_pages_total" in out:
+            out["storage_corrupt"] = sum(v for k, v in out.items() if k.startswith("storage_corrupt_pages_total."))
+            out["storage_foreign"] = out["storage_foreign_pages_total"]
         return out
+
+
+class _Forward:
+    """The collected metrics of another registry, as this registry's own."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._registry = registry
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        return self._registry.collect()
+
+
+def cache_state(cache) -> dict:
+    """The gauges' readings of a :class:`~.controller.HiCache`, under its lock."""
+    with cache._lock:
+        t, ps, tiers = cache.tree, cache.page_size, cache.tiers
+        tokens = {
+            ("device", "cached"): t.device_pages * ps, ("device", "locked"): t.device_locked_pages * ps,
+            ("device", "free"): tiers.device_alloc.available_pages() * ps,
+            ("device", "request"): int((tiers.owner == REQUEST).sum()) * ps,
+            ("host", "cached"): t.host_pages * ps, ("host", "locked"): t.host_locked_pages * ps,
+            ("host", "free"): tiers.host_alloc.available_pages() * ps if tiers.host_alloc else 0,
+        }
+        depth = {k: tiers.inflight.depth(k) for k in ("backup", "load")}
+        if cache.storage is not None:
+            depth["prefetch"] = len(cache.storage.pending)
+        bw = {k: m.bps for k, m in tiers.meters.items()}
+        return {"tokens": tokens, "queue_depth": depth, "bandwidth": bw}

@@ -99,7 +99,7 @@ class Node:
     __slots__ = (
         "tokens", "key", "children", "parent", "namespace", "hashes",
         "device", "device_ready", "host", "host_ready", "dev_children",
-        "lock_ref", "own_locks", "last_access", "hits", "op", "alive", "owner",
+        "lock_ref", "own_locks", "last_access", "hits", "op", "alive", "owner", "from_storage",
     )
 
     def __init__(self, tokens, parent: Node | None, namespace: str, key=None):
@@ -121,6 +121,7 @@ class Node:
         self.op = None
         self.alive = True
         self.owner = None             # a root: its tree (a dropped root's handle is still its tree's)
+        self.from_storage = False     # its host copy was read from storage, and is not loaded since
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -231,6 +232,7 @@ class RadixTree:
             upper.hashes, node.hashes = node.hashes[:p], node.hashes[p:]
         upper.lock_ref, upper.last_access, upper.hits = node.lock_ref, node.last_access, node.hits
         upper.device_ready, upper.host_ready, upper.op = node.device_ready, node.host_ready, node.op
+        upper.from_storage = node.from_storage
         if node.op is not None:
             node.op.nodes.append(upper)
         if node.device is not None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..allocator import PageAllocator, pages_to_tokens
-from .advisor import BandwidthMeter
+from .storage import BandwidthMeter
 from .inflight import BACKUP, LOAD, InFlight, Op, settle
 from .policy import Victims
 from .radix import Node, RadixTree
@@ -64,6 +64,7 @@ class Tiers:
         self.host_alloc = host_pool.allocator if host_pool is not None else None
         self.engine = engine
         self.storage_hook = storage_hook
+        self.storage = None  # a CacheStorage, told of backups that landed (the controller sets it)
         self.inflight = InFlight(config.max_inflight_backups, config.max_inflight_loads)
         self.meters = {d: BandwidthMeter(config.bandwidth_ewma) for d in (BACKUP, LOAD)}
         if config.load_gbps_prior:
@@ -122,6 +123,11 @@ class Tiers:
         """Device pages free, or held by unlocked cached pages that eviction may free."""
         t = self.tree
         return self.device_alloc.available_pages() + t.device_pages - t.device_locked_pages
+
+    def host_room(self) -> int:
+        """Host pages free, or held by unlocked cached pages (0 without a host pool)."""
+        t = self.tree
+        return self.host_alloc.available_pages() + t.host_pages - t.host_locked_pages if self.host_alloc else 0
 
     def obtain_host(self, n_pages: int, keep_device_copies: bool = False) -> np.ndarray | None:
         """``n_pages`` free host pages, evicting host copies as needed.
@@ -395,6 +401,8 @@ class Tiers:
                 n.host_ready = True
             else:
                 n.device_ready = True
+        if op.kind == BACKUP and self.storage is not None:
+            self.storage.backed_up(op.nodes)
 
     def _failed(self, op: Op) -> None:
         """Retire a transfer that failed, once whatever it queued has run (nothing writes its

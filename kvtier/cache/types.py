@@ -20,7 +20,12 @@ class MatchResult:
     matched node (covering the host part too), for lock/unlock/load_back.
     ``load_len``: how many of ``host_len`` are on the host only, which a load
     moves (the others are on the device already, behind a page another
-    request is loading); None: all of them.
+    request is loading); None: all of them. ``stored_len``: of those, tokens
+    whose host copy was read from the storage tier. ``storage_len``: further tokens
+    past the host part being prefetched from the storage tier into host pages
+    (``prefetch``, the cache's in-flight record), which :meth:`HiCache.load_back`
+    brings too, as far as they have arrived by the prefetch policy; not part of
+    ``total_len``, which the cache holds now.
     """
 
     device_indices: torch.Tensor
@@ -28,6 +33,9 @@ class MatchResult:
     node: Node
     namespace: str
     load_len: int | None = None
+    stored_len: int = 0
+    storage_len: int = 0
+    prefetch: object | None = None
 
     @property
     def host_only_len(self) -> int:
@@ -46,11 +54,18 @@ class MatchResult:
 @dataclass(frozen=True)
 class LoadResult:
     """Device slots of the whole matched prefix; attention for layer ``i`` calls ``layer_load.wait_layer(i)``
-    (a :class:`~.inflight.CacheLoad`: it raises :class:`LoadFailedError` once a load it waits on has failed)."""
+    (a :class:`~.inflight.CacheLoad`: it raises :class:`LoadFailedError` once a load it waits on has failed).
+
+    ``loaded_tokens``: tokens this load moves host -> device, of which ``storage_tokens`` came from the
+    storage tier (the match's ``storage_len``, as far as it arrived). ``node``: the node the request now
+    holds locked, to unlock once done: the match's node, or, where storage pages joined the match,
+    the deepest of them (the request's lock moved down to it)."""
 
     device_indices: torch.Tensor
     layer_load: LayerLoad
     loaded_tokens: int
+    node: Node | None = None
+    storage_tokens: int = 0
 
 
 class LoadFailedError(RuntimeError):

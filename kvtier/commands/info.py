@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 
 import click
@@ -80,9 +82,14 @@ def roundtrip(spec: KVSpec, page_size: int, tokens: int, reserve: int | None) ->
 @click.option("--roundtrip/--no-roundtrip", default=False, show_default=True,
               help="Also run a CPU round trip device -> host -> device and check every byte.")
 @click.option("--roundtrip-tokens", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--storage-dir", type=click.Path(file_okay=False), default=None,
+              help="A file store's directory: what it holds, and its capacity for this model.")
+@click.option("--storage-gb", type=FiniteFloat(0.0, strict=True, high=MAX_GB), default=None,
+              help="That store's capacity (default: what it holds plus the disk's free space).")
 @click.option("--json", "json_path", type=JSON_PATH, default=None, help=JSON_HELP)
-def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_tokens: int, json_path) -> None:
-    """Bytes per token per tier and layout, and how many tokens the host tier holds here."""
+def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_tokens: int, storage_dir, storage_gb,
+         json_path) -> None:
+    """Bytes per token per tier and layout, how many tokens the host tier holds here, and a storage tier's use."""
     reserve = None if reserve_gb is None else int(reserve_gb * GB)
     huge_pages_default()  # a bad KVTIER_HOST_HUGE_PAGES is refused before the table, not after it
     mem = host_memory(reserve)
@@ -95,6 +102,11 @@ def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_to
                               "Lower --roundtrip-tokens.")
         except MemoryError as e:
             raise click.UsageError(str(e)) from None
+    if storage_gb is not None and storage_dir is None:
+        raise click.UsageError("--storage-gb sizes the store named by --storage-dir; give --storage-dir too")
+    if storage_dir is not None and not os.path.isdir(storage_dir):
+        raise click.BadParameter(f"{storage_dir!r} is not a directory; name a file store's directory",
+                                 param_hint="--storage-dir")
     fits = mem.available // spec.bytes_per_token // page_size * page_size  # whole pages
     echo = echo_for(json_path)
     rows = _echo_tiers(spec, page_size, echo)
@@ -108,10 +120,40 @@ def info(spec: KVSpec, page_size: int, reserve_gb, roundtrip: bool, roundtrip_to
         "cgroup_limit_bytes": mem.cgroup_limit, "cgroup_path": mem.cgroup_path, "host_limit_bytes": mem.limit,
         "huge_pages": huge_pages_default(), "transparent_huge_pages": thp_mode(),
     }
+    if storage_dir is not None:
+        out["storage"] = _echo_storage(spec, page_size, storage_dir, storage_gb, echo)
     if roundtrip:
         out["roundtrip"] = _echo_roundtrip(spec, page_size, roundtrip_tokens, reserve, echo)
     if json_path:
         write_json(json_path, out, indent=2)
+
+
+def storage_capacity(spec: KVSpec, page_size: int, path: str, capacity_gb: float | None) -> dict:
+    """A file store's use (read-only) and its capacity for pages of ``spec``: ``capacity_gb``, else
+    what it holds plus the free space of its disk."""
+    from ..storage.file import directory_usage
+    from ..storage.format import HEADER_BYTES
+
+    usage = directory_usage(path)
+    free = shutil.disk_usage(path).free
+    capacity = int(capacity_gb * GB) if capacity_gb is not None else usage.used_bytes + free
+    page_bytes = HEADER_BYTES + page_size * spec.bytes_per_token
+    return {"path": os.path.abspath(path), "pages": usage.pages, "used_bytes": usage.used_bytes,
+            "capacity_bytes": capacity, "capacity_from": "--storage-gb" if capacity_gb is not None else "disk",
+            "disk_free_bytes": free, "page_bytes": page_bytes, "capacity_pages": capacity // page_bytes,
+            "capacity_tokens": capacity // page_bytes * page_size}
+
+
+def _echo_storage(spec: KVSpec, page_size: int, path: str, capacity_gb, echo) -> dict:
+    s = storage_capacity(spec, page_size, path, capacity_gb)
+    source = "--storage-gb" if capacity_gb is not None else (
+        f"what it holds + the disk's {s['disk_free_bytes'] / GB:.1f} GB free")
+    echo("")
+    echo(f"storage (file store) {s['path']}: {s['pages']:,} pages, {s['used_bytes'] / GB:.2f} GB held, "
+         f"capacity {s['capacity_bytes'] / GB:.1f} GB ({source}), {s['used_bytes'] / max(s['capacity_bytes'], 1):.0%} used")
+    echo(f"storage tier capacity for this model: {s['capacity_tokens']:,} tokens ({s['capacity_pages']:,} pages of "
+         f"{page_size}, {s['page_bytes']:,} B each with its header)")
+    return s
 
 
 def _echo_roundtrip(spec: KVSpec, page_size: int, tokens: int, reserve, echo) -> dict:

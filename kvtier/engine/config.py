@@ -144,6 +144,14 @@ class EngineConfig:
     during a DMA load waits for up to ``DMAConfig.load_drain`` layers of the load
     to land. ``sms`` is the quickest; the other two are there to measure what an
     engine that copies its inputs that way gets.
+
+    A storage tier behind the host tier (``tiers`` only): ``storage`` names its backend
+    (``file``, ``valkey``, ``valkey-cluster``, ``mooncake`` or ``module:Class``; None: none),
+    ``storage_url`` where its store is (``kvtier.storage.open_backend``: for ``file`` a
+    directory; None for a remote store named by the environment), ``storage_bytes`` the most
+    a file store holds. ``model_id`` (required with storage) and ``weights_fingerprint`` salt
+    the stored pages' keys: engines share pages only under the same model and weights.
+    ``storage_write`` and ``storage_prefetch`` are ``CacheConfig``'s.
     """
 
     prefix_cache: str = "tiers"
@@ -161,6 +169,13 @@ class EngineConfig:
     attention: str = "auto"
     use_advisor: bool = False
     inputs: str = "sms"
+    storage: str | None = None
+    storage_url: str | None = None
+    storage_bytes: int = 10 << 30
+    model_id: str = ""
+    weights_fingerprint: str | None = None
+    storage_write: str = "write_back"
+    storage_prefetch: str = "timeout"
 
     def __post_init__(self) -> None:
         if self.prefix_cache not in PREFIX_MODES:
@@ -193,3 +208,29 @@ class EngineConfig:
         if not (self.io_backend is None or self.io_backend in IO_BACKENDS or isinstance(self.io_backend, Backend)):
             raise ValueError(f"unknown io_backend {self.io_backend!r}; use one of {IO_BACKENDS}, a configured "
                              "backend, or None (the transfer engine's choice)")
+        self._check_storage()
+
+    def _check_storage(self) -> None:
+        from ..cache.config import PREFETCH_POLICIES, STORAGE_WRITES
+        from ..storage import backend_class
+
+        for f, allowed in (("storage_write", STORAGE_WRITES), ("storage_prefetch", PREFETCH_POLICIES)):
+            if getattr(self, f) not in allowed:
+                raise ValueError(f"unknown {f} {getattr(self, f)!r}; use one of {allowed}")
+        if not isinstance(self.model_id, str):
+            raise ValueError(f"model_id must be a string, got {self.model_id!r}")
+        if self.storage is None:
+            return
+        if self.prefix_cache != "tiers":
+            raise ValueError(f"storage={self.storage!r} needs prefix_cache='tiers' (the storage tier sits behind the "
+                             f"host tier), got prefix_cache={self.prefix_cache!r}")
+        backend_class(self.storage)
+        if self.storage == "file" and not self.storage_url:
+            raise ValueError("storage='file' needs storage_url: the directory its pages go to")
+        require_positive_int("storage_bytes", self.storage_bytes)
+        if not self.model_id:
+            raise ValueError("model_id must name the model's weights where storage is on (e.g. 'meta-llama/"
+                             "Llama-3.1-8B'): engines of one model_id share stored pages")
+        if self.weights_fingerprint is not None and not (isinstance(self.weights_fingerprint, str)
+                                                         and self.weights_fingerprint):
+            raise ValueError(f"weights_fingerprint must be a non-empty string or None, got {self.weights_fingerprint!r}")

@@ -17,6 +17,7 @@ import torch
 from ..device_pool import pool_from_spec
 from ..host_pool import host_pool_for
 from ..memory import check_host_memory
+from ..cache.types import LoadFailedError
 from ..validate import check_namespace, is_int
 from .checkpoint import checkpoint_config, load_checkpoint, random_model
 from .config import EngineConfig, ModelConfig
@@ -37,10 +38,22 @@ def _prefix_cache(pool, cfg: EngineConfig, engine: "Engine"):
     host = None
     if cfg.prefix_cache == "tiers":
         host = host_pool_for(pool, cfg.layout, host_size_tokens=cfg.host_tokens)
-    cache_cfg = CacheConfig(page_size=cfg.page_size, write_policy=cfg.write_policy,
-                            eviction=cfg.eviction, io_backend=cfg.io_backend)
-    cache = HiCache(pool, host_pool=host, config=cache_cfg)
+    cache_cfg = CacheConfig(page_size=cfg.page_size, write_policy=cfg.write_policy, eviction=cfg.eviction,
+                            io_backend=cfg.io_backend, model_id=cfg.model_id, storage_write=cfg.storage_write,
+                            storage_prefetch=cfg.storage_prefetch)
+    storage = _storage_tier(host, cfg) if cfg.storage is not None else None
+    cache = HiCache(pool, host_pool=host, config=cache_cfg, storage=storage)
     return PrefixCache(cache, advise=engine.prefill_seconds_per_token if cfg.use_advisor else None)
+
+
+def _storage_tier(host, cfg: EngineConfig):
+    """The storage tier of ``cfg`` behind ``host``: its backend opened at ``cfg.storage_url``."""
+    from ..storage import open_backend
+    from ..storage.format import StorageSalt
+    from ..storage.tier import StorageTier
+
+    salt = StorageSalt(host.spec, cfg.page_size, cfg.model_id, cfg.weights_fingerprint)
+    return StorageTier(open_backend(cfg.storage, cfg.storage_url, cfg.storage_bytes), salt)
 
 
 def exact_mode(model_cfg: ModelConfig, config: EngineConfig) -> bool:
@@ -176,7 +189,11 @@ class Engine:
                 raise RuntimeError("no request can be admitted although none is running (device pool too small?)")
             return []
         t0 = time.perf_counter()
-        tokens = self.runner.run(batch)
+        try:
+            tokens = self.runner.run(batch)
+        except LoadFailedError:  # a host load under the batch failed: its requests are computed again
+            self.scheduler.retry(batch)
+            return []
         if batch.prefill:
             self._prefill_time += time.perf_counter() - t0
             self._prefill_tokens += batch.num_tokens
@@ -201,6 +218,11 @@ class Engine:
     def prefill_seconds_per_token(self) -> float:
         """Measured so far (a rough default before the first prefill)."""
         return self._prefill_time / self._prefill_tokens if self._prefill_tokens else 1e-4
+
+    def close(self) -> None:
+        """Finish what the cache has in flight, write what its storage tier has queued, and close
+        that tier (the engine serves no more requests)."""
+        self.kv.close()
 
     def stats(self) -> dict:
         return {"steps": self.steps, "preemptions": self.scheduler.preemptions,

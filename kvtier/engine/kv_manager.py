@@ -68,6 +68,9 @@ class NoPrefixCache(_Pages):
     def poll(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
     def metrics(self) -> dict:
         return {}
 
@@ -99,24 +102,35 @@ class PrefixCache(_Pages):
         if need > self.cache.device_free_tokens():
             self.cache.unlock(match.node)
             return False  # would fail after loading; skip the transfer
-        prefix, layer_load, from_host = match.device_indices, None, 0
-        if match.host_len and self._load_host(match):
-            loaded = self.cache.load_back(match)
+        prefix, layer_load, node, host, storage = match.device_indices, None, match.node, 0, 0
+        load, storage_tokens = self._plan(seq, match)
+        if load:
+            loaded = self.cache.load_back(match, storage_tokens=storage_tokens)
             if loaded is not None:  # None: no room to load; recompute those tokens instead
-                prefix, layer_load, from_host = loaded.device_indices, loaded.layer_load, loaded.loaded_tokens
+                prefix, layer_load, node = loaded.device_indices, loaded.layer_load, loaded.node
+                storage = loaded.storage_tokens
+                host = loaded.loaded_tokens - storage
         own = self._alloc(_round_up(seq.num_tokens - len(prefix), self.page_size))
         if own is None:
-            self.cache.unlock(match.node)
+            self.cache.unlock(node)
             return False
         self.cache.count_match(match, len(query))
         seq.slots = prefix.tolist() + own.tolist()
         seq.prefix_len = seq.num_computed = len(prefix)
-        seq.node, seq.layer_load = match.node, layer_load
-        seq.count_reuse(len(prefix) - from_host, from_host)
+        seq.node, seq.layer_load = node, layer_load
+        seq.count_reuse(len(prefix) - host - storage, host, storage)
         return True
 
-    def _load_host(self, match) -> bool:
-        return self.advise is None or self.cache.advise(match, self.advise()).load
+    def _plan(self, seq: Sequence, match) -> tuple[bool, int | None]:
+        """Whether to load the match's host and storage parts, and how much of the latter (None:
+        all of it): everything, or as the cache advises from the measured prefill rate; nothing
+        for a request whose earlier load failed (it is computed in full)."""
+        if seq.load_failed or not (match.host_len or match.storage_len):
+            return False, None
+        if self.advise is None:
+            return True, None
+        advice = self.cache.advise(match, self.advise())
+        return advice.load, advice.storage_tokens
 
     def _alloc(self, n_tokens: int) -> torch.Tensor | None:
         return self.cache.alloc_device(n_tokens)
@@ -134,6 +148,13 @@ class PrefixCache(_Pages):
 
     def poll(self) -> None:
         self.cache.poll()
+
+    def close(self) -> None:
+        """Finish the cache's transfers and prefetches, save the host tier's pages to its storage
+        tier (write-back at shutdown; under write-through they are there already), close the tier."""
+        self.cache.flush(save_host=self.cache.config.storage_write == "write_back")
+        if self.cache.storage is not None:
+            self.cache.storage.tier.close()
 
     def metrics(self) -> dict:
         return self.cache.metrics.snapshot()

@@ -8,7 +8,8 @@ import numpy as np
 
 from .workload import WorkloadResult
 
-MODE_TITLES = {"none": "no prefix cache", "gpu": "GPU-only prefix cache", "tiers": "GPU + host tiers"}
+MODE_TITLES = {"none": "no prefix cache", "gpu": "GPU-only prefix cache", "tiers": "GPU + host tiers",
+               "storage": "GPU + host + storage", "storage_restart": "restart: cold GPU + host, same storage"}
 
 
 def summarize(result: WorkloadResult, cache_metrics: dict | None = None) -> dict:
@@ -17,25 +18,28 @@ def summarize(result: WorkloadResult, cache_metrics: dict | None = None) -> dict
     prompt = sum(t.prompt_tokens for t in turns)
     dev = sum(t.reused_device for t in turns)
     host = sum(t.reused_host for t in turns)
+    storage = sum(t.reused_storage for t in turns)
     ttft = np.array([t.ttft_s for t in turns])
     outputs = sum(len(t.outputs) for t in turns)
     return {
         "requests": len(turns),
         "prompt_tokens": prompt,
-        "hit_rate": (dev + host) / prompt if prompt else 0.0,
+        "hit_rate": (dev + host + storage) / prompt if prompt else 0.0,
         "hit_rate_device": dev / prompt if prompt else 0.0,
         "hit_rate_host": host / prompt if prompt else 0.0,
+        "hit_rate_storage": storage / prompt if prompt else 0.0,
         "ttft_p50_s": float(np.percentile(ttft, 50)),
         "ttft_p99_s": float(np.percentile(ttft, 99)),
         "ttft_mean_s": float(ttft.mean()),
         "prefill_tokens_computed": sum(t.computed for t in turns),
-        "prefill_tokens_reused": dev + host + sum(t.reused_on_resume for t in turns),
+        "prefill_tokens_reused": dev + host + storage + sum(t.reused_on_resume for t in turns),
         "output_tokens": outputs,
         "throughput_tok_s": (prompt + outputs) / result.wall_s,
         "output_tok_s": outputs / result.wall_s,
         "wall_s": result.wall_s,
         "preemptions": sum(t.preemptions for t in turns),
         "ttft_by_round_s": ttft_by_round(result),
+        "rounds": sorted({t.round for t in turns}),
         "cache": _plain(cache_metrics or {}),
     }
 
@@ -47,11 +51,13 @@ def ttft_by_round(result: WorkloadResult) -> list[float]:
 
 def table(summaries: dict[str, dict]) -> str:
     """A fixed-width table, one row per mode."""
-    head = ("mode", "hit GPU", "hit host", "TTFT p50", "TTFT p99", "prefill computed", "reused", "tok/s", "wall")
+    head = ("mode", "hit GPU", "hit host", "hit storage", "TTFT p50", "TTFT p99", "prefill computed", "reused",
+            "tok/s", "wall")
     rows = [head]
     for mode, s in summaries.items():
         rows.append((
             MODE_TITLES.get(mode, mode), f"{s['hit_rate_device']:.1%}", f"{s['hit_rate_host']:.1%}",
+            f"{s.get('hit_rate_storage', 0.0):.1%}",
             f"{s['ttft_p50_s'] * 1e3:.0f} ms", f"{s['ttft_p99_s'] * 1e3:.0f} ms",
             f"{s['prefill_tokens_computed']:,}", f"{s['prefill_tokens_reused']:,}",
             f"{s['throughput_tok_s']:,.0f}", f"{s['wall_s']:.1f} s",
@@ -72,7 +78,8 @@ def plot(summaries: dict[str, dict], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode, s in summaries.items():
         ys = [v * 1e3 for v in s["ttft_by_round_s"]]
-        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=MODE_TITLES.get(mode, mode))
+        xs = [r + 1 for r in s.get("rounds", range(len(ys)))]   # (the restart serves the last round only)
+        ax.plot(xs, ys, marker="o", label=MODE_TITLES.get(mode, mode))
     ax.set_xlabel("conversation round (history grows)")
     ax.set_ylabel("mean time to first token (ms)")
     ax.set_title(title)

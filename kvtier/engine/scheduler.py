@@ -111,6 +111,19 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
+    def retry(self, batch: Batch) -> None:
+        """A step that did not run (a host load under it failed): its sequences give their slots
+        back and wait at the front of the queue, in order; one whose own load failed is computed
+        in full when admitted again (``Sequence.load_failed``)."""
+        for seq in reversed(batch.seqs):
+            if seq.layer_load is not None and getattr(seq.layer_load, "failed", False):
+                seq.load_failed = True
+            self.running.remove(seq)
+            self.kv.release(seq)
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+        self._blocked = False
+
     def postprocess(self, batch: Batch, next_tokens: list[int]) -> list[Sequence]:
         """Record the step's tokens; finished sequences release their KV and are returned."""
         now = time.perf_counter()

@@ -46,9 +46,11 @@ class Sequence:
     # accounting
     reused_device: int = 0  # prompt tokens found on the device at first admission
     reused_host: int = 0    # ... and loaded from the host tier
+    reused_storage: int = 0  # ... and loaded from the storage tier (through the host)
     reused_on_resume: int = 0  # tokens reused (either tier) when resuming after preemption
     computed: int = 0  # tokens prefilled (not reused), resumes included
     preemptions: int = 0
+    load_failed: bool = False  # a load of its prefix failed: it is computed in full
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
@@ -71,11 +73,11 @@ class Sequence:
     def done(self) -> bool:
         return len(self.output_ids) >= self.max_new_tokens
 
-    def count_reuse(self, device: int, host: int) -> None:
+    def count_reuse(self, device: int, host: int, storage: int = 0) -> None:
         if self.preemptions:
-            self.reused_on_resume += device + host
+            self.reused_on_resume += device + host + storage
         else:
-            self.reused_device, self.reused_host = device, host
+            self.reused_device, self.reused_host, self.reused_storage = device, host, storage
 
     @property
     def ttft(self) -> float | None:

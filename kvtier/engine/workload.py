@@ -45,6 +45,14 @@ class Workload:
     def user_turn(self, client: int, round_: int) -> list[int]:
         return self._tokens(self.user_tokens, client, round_)
 
+    def prompt(self, client: int, round_: int, outputs: dict[tuple[int, int], list[int]]) -> list[int]:
+        """``client``'s prompt in round ``round_``, given the model's answers of its earlier rounds
+        (``outputs[(client, round)]``)."""
+        tokens = self.system_prompt()
+        for r in range(round_):
+            tokens = tokens + self.user_turn(client, r) + outputs[(client, r)]
+        return tokens + self.user_turn(client, round_)
+
     def longest_prompt(self) -> int:
         return self.system_tokens + self.rounds * self.user_tokens + (self.rounds - 1) * self.output_tokens
 
@@ -67,6 +75,7 @@ class Turn:
     reused_on_resume: int
     computed: int
     preemptions: int
+    reused_storage: int = 0
 
 
 @dataclass
@@ -106,8 +115,26 @@ def run_workload(engine: Engine, wl: Workload, on_turn: Callable[[Turn], None] |
     return result
 
 
+def run_requests(engine: Engine, prompts: dict[tuple[int, int], list[int]], output_tokens: int,
+                 on_turn: Callable[[Turn], None] | None = None) -> WorkloadResult:
+    """Serve ``prompts`` (by ``(client, round)``), all sent at once, to the end."""
+    import time
+
+    result = WorkloadResult()
+    start = time.perf_counter()
+    owner = {engine.add_request(p, output_tokens).req_id: key for key, p in prompts.items()}
+    while engine.has_work():
+        for seq in engine.step():
+            turn = _turn(*owner.pop(seq.req_id), seq)
+            result.turns.append(turn)
+            if on_turn:
+                on_turn(turn)
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
 def _turn(client: int, round_: int, seq: Sequence) -> Turn:
     return Turn(
         client, round_, seq.num_prompt, seq.ttft, seq.finished_at - seq.arrival, seq.output_ids,
-        seq.reused_device, seq.reused_host, seq.reused_on_resume, seq.computed, seq.preemptions,
+        seq.reused_device, seq.reused_host, seq.reused_on_resume, seq.computed, seq.preemptions, seq.reused_storage,
     )

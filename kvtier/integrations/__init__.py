@@ -121,18 +121,11 @@ class BlockMover:
 
 def open_store(backend: str, url: str, capacity_gb: float):
     """A storage backend by name (``file``, ``valkey``, ``mooncake``, ``module:Class``) at ``url``
-    holding at most ``capacity_gb`` GB: for ``file``, ``url`` is a directory; other backends read
-    it through their config class's ``from_url(url, capacity_bytes)``. ``ValueError`` otherwise."""
-    from ..storage import backend_class
+    holding at most ``capacity_gb`` GB: :func:`kvtier.storage.open_backend` (for ``file``, ``url``
+    is a directory). ``ValueError`` otherwise."""
+    from ..storage import open_backend
 
-    cls = backend_class(backend)
-    capacity = int(capacity_gb * 1e9)
-    if cls.name == "file":
-        return cls(cls.config_class(path=url, capacity_bytes=capacity))
-    from_url = getattr(cls.config_class, "from_url", None)
-    if from_url is None:
-        raise ValueError(f"storage backend {backend!r} takes no URL (its {cls.config_class.__name__} has no from_url)")
-    return cls(from_url(url, capacity_bytes=capacity))
+    return open_backend(backend, url, int(capacity_gb * 1e9))
 
 
 class StorageLink:

@@ -143,3 +143,49 @@ def backend_class(name: str) -> type[StorageBackend]:
     if not (isinstance(found, type) and issubclass(found, StorageBackend)):
         raise ValueError(f"storage backend {name!r} is {found!r}, not a kvtier.storage.StorageBackend subclass")
     return found
+
+
+def open_backend(name: str, location: str | None, capacity_bytes: int) -> StorageBackend:
+    """The backend ``name`` (as :func:`backend_class` takes it) over the store at ``location``:
+
+    - ``file``: a directory, holding at most ``capacity_bytes`` of pages;
+    - ``valkey``: ``valkey://host:port`` (``valkeys://`` for TLS; the password in
+      ``KVTIER_VALKEY_PASSWORD``); ``valkey-cluster``: ``host:port,host:port,...`` (its start-up nodes);
+    - ``mooncake``: ``mooncake://host:port?metadata=http://host:port/metadata`` (the master, and its
+      metadata server; ``&metrics=http://host:port/metrics`` optionally, for the store's usage);
+    - a third-party ``module:Class``: its config class's ``from_url(location, capacity_bytes)``.
+
+    ``location=None`` takes a remote store from the environment (``KVTIER_VALKEY_URL``,
+    ``KVTIER_VALKEY_CLUSTER``, ``KVTIER_MOONCAKE_MASTER`` with ``KVTIER_MOONCAKE_METADATA`` and
+    ``KVTIER_MOONCAKE_METRICS``). ``ValueError`` naming the form expected, before any connection."""
+    from urllib.parse import parse_qs, urlsplit
+
+    cls = backend_class(name)
+    if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
+        raise ValueError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
+    if location is not None and (not isinstance(location, str) or not location):
+        raise ValueError(f"the {name} store's location must be a non-empty string, got {location!r}")
+    kind, config = cls.name, cls.config_class
+    if kind == "file":
+        if location is None:
+            raise ValueError("the file store needs a directory: give its path as the location")
+        return cls(config(location, capacity_bytes))
+    if location is None and kind in ("valkey", "valkey-cluster", "mooncake"):
+        return cls(cls.bench_config("", capacity_bytes))
+    if kind == "valkey":
+        return cls(config(url=location))
+    if kind == "valkey-cluster":
+        pairs = [n.strip().rpartition(":") for n in location.split(",")]
+        if not all(h and p.isdigit() for h, _, p in pairs):
+            raise ValueError(f"a valkey cluster is 'host:port,host:port,...', not {location!r}")
+        return cls(config(nodes=tuple((h, int(p)) for h, _, p in pairs), cluster=True))
+    if kind == "mooncake":
+        parts, query = urlsplit(location), parse_qs(urlsplit(location).query)
+        if parts.scheme != "mooncake" or not parts.netloc or "metadata" not in query:
+            raise ValueError(f"a mooncake store is 'mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata', "
+                             f"not {location!r}")
+        return cls(config(parts.netloc, query["metadata"][0], master_metrics_url=query.get("metrics", [None])[0]))
+    from_url = getattr(config, "from_url", None)
+    if from_url is None:
+        raise ValueError(f"storage backend {name!r} takes no location (its {config.__name__} has no from_url)")
+    return cls(from_url(location, capacity_bytes=capacity_bytes))

@@ -122,6 +122,7 @@ class FileBackend(StorageBackend):
         self._limit = config.capacity_bytes
         self._shrunk_at: float | None = None  # when a full disk lowered the limit
         self.errors: dict[str, int] = {}  # failed file operations by errno name
+        self._gone = False  # the directory was found missing: indexed anew once it is back
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-file")
         self._rebuild()
 
@@ -178,7 +179,16 @@ class FileBackend(StorageBackend):
             return Usage(self._used, self.config.capacity_bytes, len(self._index))
 
     def healthy(self) -> bool:
-        return os.path.isdir(self.root)
+        """The directory is there; one back after it was gone (moved back, or made again) is indexed anew."""
+        if not os.path.isdir(self.root):
+            return False
+        if self._gone:
+            with self._lock:
+                self._index.clear()
+                self._used = 0
+            self._rebuild()
+            self._gone = False
+        return True
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -323,6 +333,7 @@ class FileBackend(StorageBackend):
 
     def _check_root(self) -> None:
         if not os.path.isdir(self.root):
+            self._gone = True
             raise StorageError(f"file store directory {self.root!r} is gone")
 
     def _map(self, fn, items: list) -> list:
@@ -368,6 +379,21 @@ class FileBackend(StorageBackend):
                 else:
                     out.append(entry)
         return out
+
+
+def directory_usage(path: str) -> Usage:
+    """What the file store in ``path`` holds (its page files, by their sizes), read-only: nothing is
+    indexed, checked or removed. ``ValueError`` where ``path`` is no directory."""
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a directory: name a file store's directory (FileConfig.path)")
+    used = pages = 0
+    for shard in os.scandir(path):
+        if shard.is_dir() and _is_shard(shard.name):
+            for e in os.scandir(shard.path):
+                if e.name.endswith(SUFFIX) and e.is_file():
+                    used += e.stat().st_size
+                    pages += 1
+    return Usage(used, None, pages)
 
 
 class FileRawIO(RawIO):

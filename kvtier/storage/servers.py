@@ -74,6 +74,12 @@ class LocalValkey:
             kw.update(tls=True, tls_ca_file=self.tls[2])
         return ValkeyConfig(**{**kw, **overrides})
 
+    def location(self) -> str:
+        """Where these servers are, as ``kvtier.storage.open_backend`` takes it."""
+        if self.cluster:
+            return ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        return f"{'valkeys' if self.tls else 'valkey'}://127.0.0.1:{self.ports[0]}"
+
     def client(self, i: int = 0):
         import valkey
         kw = self.config(nodes=(("127.0.0.1", self.ports[i]),), cluster=False).client_kwargs()
@@ -180,6 +186,11 @@ class LocalMooncake:
                   master_metrics_url=f"http://127.0.0.1:{self.metrics}/metrics")
         return MooncakeConfig(**{**kw, **overrides})
 
+    def location(self) -> str:
+        """Where this store is, as ``kvtier.storage.open_backend`` takes it."""
+        return (f"mooncake://127.0.0.1:{self.rpc}?metadata=http://127.0.0.1:{self.meta}/metadata"
+                f"&metrics=http://127.0.0.1:{self.metrics}/metrics")
+
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.workdir / f"{name}.log", "ab")
         env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_LOG_LEVEL": "ERROR"}
@@ -249,7 +260,8 @@ class StoreFor:
     ``capacity_bytes``: a store given by the environment where one is (the backend's own
     ``bench_config``: ``KVTIER_VALKEY_URL``, ``KVTIER_VALKEY_CLUSTER``, ``KVTIER_MOONCAKE_MASTER``
     and ``KVTIER_MOONCAKE_METADATA``), else one started here on loopback (:class:`LocalValkey`,
-    :class:`LocalMooncake`) and stopped by :meth:`close`. ``config`` is the backend's config."""
+    :class:`LocalMooncake`) and stopped by :meth:`close`. ``config`` is the backend's config;
+    ``location`` the store's for ``kvtier.storage.open_backend`` (None: the environment's)."""
 
     ENV = {"valkey": "KVTIER_VALKEY_URL", "valkey-cluster": "KVTIER_VALKEY_CLUSTER", "mooncake": "KVTIER_MOONCAKE_MASTER"}
 
@@ -259,6 +271,7 @@ class StoreFor:
         env = self.ENV.get(name)
         if env is None or os.environ.get(env):
             self.config = self.cls.bench_config(str(workdir), capacity_bytes)
+            self.location = getattr(self.config, "path", None) if env is None else None
             return
         where = Path(workdir) / name
         try:
@@ -269,6 +282,7 @@ class StoreFor:
         except (RuntimeError, ImportError) as e:
             raise ValueError(f"no {name} store could be started here ({e}); start one and name it in {env}") from None
         self.config = self.server.config()
+        self.location = self.server.location()
 
     def close(self) -> None:
         if self.server is not None:

@@ -53,8 +53,9 @@ class TierConfig:
     - ``batch_pages``: pages per backend call.
     - ``skip_stored``: before writing a chain, ask the store which leading pages it holds and
       write only the rest.
-    - ``prefetch_timeout_s`` + ``prefetch_timeout_per_page_s`` x pages, at most
-      ``prefetch_timeout_max_s``: a prefetch's deadline (:meth:`StorageTier.prefetch_timeout`).
+    - ``prefetch_timeout_s`` + twice the pages' read time at the measured bandwidth (before one
+      is measured, ``prefetch_timeout_per_page_s`` x pages), at most ``prefetch_timeout_max_s``:
+      a prefetch's deadline (:meth:`StorageTier.prefetch_timeout`).
     - ``health_interval_s``: how often a store marked down is probed.
     """
 
@@ -292,8 +293,10 @@ class StorageTier:
         self.metrics.prefetches["skipped"].inc()
 
     def prefetch_timeout(self, n_pages: int) -> float:
-        c = self.config
-        return min(c.prefetch_timeout_max_s, c.prefetch_timeout_s + c.prefetch_timeout_per_page_s * n_pages)
+        """Seconds a prefetch of ``n_pages`` has: see ``TierConfig``."""
+        c, est = self.config, self.load_seconds(n_pages)
+        per = 2 * est if est is not None else c.prefetch_timeout_per_page_s * n_pages
+        return min(c.prefetch_timeout_max_s, c.prefetch_timeout_s + per)
 
     def load_seconds(self, n_pages: int) -> float | None:
         """Estimated seconds to read and verify ``n_pages`` at the measured bandwidth (None: not measured)."""

@@ -99,9 +99,10 @@ def test_attention_waits_on_each_layer_of_a_host_load(monkeypatch):
             waits.append(layer)
             return self.load.wait_layer(layer, stream)
 
-    def spying_load_back(self, match):
-        r = real(self, match)
-        return None if r is None else type(r)(r.device_indices, Spy(r.layer_load), r.loaded_tokens)
+    def spying_load_back(self, match, **kw):
+        r = real(self, match, **kw)
+        return None if r is None else type(r)(r.device_indices, Spy(r.layer_load), r.loaded_tokens, r.node,
+                                              r.storage_tokens)
 
     monkeypatch.setattr(HiCache, "load_back", spying_load_back)
     e.generate([prompt + [1]], 3)

@@ -16,24 +16,51 @@ TINY = ["--hidden", "64", "--layers", "2", "--intermediate", "96", "--clients", 
 
 
 @pytest.mark.parametrize("model", ["llama", "deepseek"])
-def test_demo_runs_three_modes_and_writes_json_and_plot(tmp_path, model):
+def test_demo_runs_five_modes_and_writes_json_and_plot(tmp_path, model):
     out_json, out_png = tmp_path / "demo.json", tmp_path / "ttft.png"
-    res = CliRunner().invoke(main, ["demo", "--model", model, *TINY, "--json", str(out_json), "--plot", str(out_png)])
+    res = CliRunner().invoke(main, ["demo", "--model", model, *TINY, "--host-tokens", "192", "--json", str(out_json),
+                                    "--plot", str(out_png)])
     assert res.exit_code == 0, res.output
     assert "outputs identical: yes" in res.output
-    for title in ("no prefix cache", "GPU-only prefix cache", "GPU + host tiers"):
+    for title in ("no prefix cache", "GPU-only prefix cache", "GPU + host tiers", "GPU + host + storage",
+                  "restart: cold GPU + host, same storage"):
         assert title in res.output
     doc = json.loads(out_json.read_text())
     assert doc["outputs_identical"] is True
-    assert set(doc["modes"]) == {"none", "gpu", "tiers"}
+    assert set(doc["modes"]) == {"none", "gpu", "tiers", "storage", "storage_restart"}
     for mode, s in doc["modes"].items():
-        for field in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "prefill_tokens_computed", "prefill_tokens_reused"):
+        for field in ("hit_rate", "hit_rate_storage", "ttft_p50_s", "ttft_p99_s", "prefill_tokens_computed",
+                      "prefill_tokens_reused"):
             assert field in s, (mode, field)
-        assert s["requests"] == 9
-    assert doc["modes"]["none"]["hit_rate"] == 0
-    assert doc["modes"]["tiers"]["hit_rate_host"] > 0
-    assert doc["modes"]["tiers"]["prefill_tokens_computed"] < doc["modes"]["none"]["prefill_tokens_computed"]
+        assert s["requests"] == (3 if mode == "storage_restart" else 9)
+    modes = doc["modes"]
+    assert modes["none"]["hit_rate"] == 0
+    assert modes["tiers"]["hit_rate_host"] > 0 and modes["tiers"]["hit_rate_storage"] == 0
+    assert modes["tiers"]["prefill_tokens_computed"] < modes["none"]["prefill_tokens_computed"]
+    assert modes["storage"]["prefill_tokens_reused"] > modes["tiers"]["prefill_tokens_reused"]
+    assert modes["storage_restart"]["hit_rate_storage"] > 0.5
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_storage_modes_run_over_a_directory_given_and_leave_it_filled(tmp_path):
+    store = tmp_path / "store"
+    res = CliRunner().invoke(main, ["demo", *TINY, "--host-tokens", "192", "--modes", "storage,storage_restart",
+                                    "--storage-url", str(store), "--storage-write", "write_back", "--plot", ""])
+    assert res.exit_code == 0 and "outputs identical: yes" in res.output, res.output
+    assert list(store.rglob("*.kvp"))
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--modes", "none,storage_restart"], "name storage too"),
+    (["--modes", "storage", "--storage", "tape"], "unknown storage backend 'tape'"),
+    (["--modes", "storage", "--storage", "valkey", "--storage-url", "http://x"], "must look like 'valkey://host:port'"),
+    (["--modes", "storage", "--storage", "mooncake", "--storage-url", "127.0.0.1:1"], "mooncake://"),
+    (["--modes", "storage", "--storage", "kvtier.storage.file:FileBackend"], "needs --storage-url"),
+])
+def test_bad_storage_flags_fail_before_any_work(args, match):
+    res = CliRunner().invoke(main, ["demo", *TINY, *args])
+    assert res.exit_code == 2 and match in res.output, res.output
+    assert "model:" not in res.output
 
 
 def test_demo_rejects_bad_flags_before_running(tmp_path):
@@ -144,6 +171,22 @@ def test_bench_ttft_runs_on_cpu(tmp_path):
         assert r["first_tokens_equal"] == 1
         assert r["recompute_ttft_s"] > 0 and r["host_hit_ttft_s"] > 0 and r["copy_limit_gbps"] > 0
     assert doc["cache_metrics"]["direct"]["hit_tokens_total.host"] >= 128 + 256
+
+
+def test_bench_ttft_times_a_cold_storage_hit_and_the_advisors_split_beside_the_disk(tmp_path):
+    out = tmp_path / "ttft.json"
+    res = CliRunner().invoke(main, ["bench", "ttft", "--model", "tiny", "--contexts", "256", "--new-tokens", "16",
+                                    "--repeats", "1", "--page-size", "16", "--device", "cpu", "--storage-dir",
+                                    str(tmp_path), "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["storage_hit_ttft_s"] > 0 and row["advisor_ttft_s"] > 0 and row["disk_read_gbps"] > 0
+    assert row["storage_loaded_tokens"] == 256 and 0 <= row["advisor_loaded_tokens"] <= 256
+    assert row["storage_first_tokens_equal"] == 2   # the storage hit's and the advisor's, as recomputed
+    assert "storage-hit TTFT (loaded)" in res.output and "disk read" in res.output
+    assert not list(tmp_path.glob("kvtier-bench-ttft-*"))   # its stores are removed
+    res = CliRunner().invoke(main, ["bench", "ttft", "--model", "tiny", "--storage-dir", str(tmp_path / "none")])
+    assert res.exit_code == 2 and "not a writable directory" in res.output
 
 
 def test_bench_ttft_defaults_to_contexts_the_model_can_prefill_here():

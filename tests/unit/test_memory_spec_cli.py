@@ -204,6 +204,27 @@ def test_info_round_trip_and_json(tmp_path):
     assert "host pages:" in res.output and "host pool in huge pages" in res.output
 
 
+def test_info_shows_a_file_stores_use_and_its_capacity_for_the_model(tmp_path):
+    from kvtier.storage.file import FileBackend, FileConfig
+    from kvtier.storage.format import HEADER_BYTES
+    store = FileBackend(FileConfig(str(tmp_path / "store"), 1 << 30))
+    store.put([bytes(15) + bytes([i]) for i in range(3)], [bytes(HEADER_BYTES + 100)] * 3)  # any bytes: sizes count
+    out = tmp_path / "info.json"
+    res = CliRunner().invoke(main, ["info", "-m", "llama-3-8b", "--storage-dir", str(tmp_path / "store"),
+                                    "--storage-gb", "1", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    s = json.loads(out.read_text())["storage"]
+    page = HEADER_BYTES + 64 * 131072
+    assert (s["pages"], s["used_bytes"], s["capacity_bytes"], s["page_bytes"]) == (3, 3 * (HEADER_BYTES + 100), 10**9, page)
+    assert s["capacity_tokens"] == 10**9 // page * 64 and "storage tier capacity for this model" in res.output
+    res = CliRunner().invoke(main, ["info", "-m", "llama-3-8b", "--storage-dir", str(tmp_path / "store")])
+    assert res.exit_code == 0 and "the disk's" in res.output
+    for args, words in ((["--storage-gb", "1"], "give --storage-dir too"),
+                        (["--storage-dir", str(tmp_path / "nowhere")], "is not a directory")):
+        res = CliRunner().invoke(main, ["info", "-m", "llama-3-8b", *args])
+        assert res.exit_code == 2 and words in res.output, res.output
+
+
 def test_info_says_when_the_host_limit_stands_in(tmp_path, monkeypatch):
     out = tmp_path / "info.json"
     monkeypatch.setenv(memory.LIMIT_ENV, "123")
