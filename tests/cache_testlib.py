@@ -348,14 +348,19 @@ class FlakyTransferEngine:
 # -- a cache with a storage tier over a real directory ----------------------------------------
 
 class GatedStore:
-    """Mixed into a real :class:`~kvtier.storage.file.FileBackend`: reads wait while ``closed``
-    (a slow disk the test controls); ``reads`` counts them."""
+    """Mixed into a real :class:`~kvtier.storage.file.FileBackend`: reads wait while ``open_gate``
+    is clear, writes while ``write_gate`` is (a slow disk the test controls); ``reads`` counts them."""
 
     def __init__(self, config):
         super().__init__(config)
-        self.open_gate = threading.Event()
+        self.open_gate, self.write_gate = threading.Event(), threading.Event()
         self.open_gate.set()
+        self.write_gate.set()
         self.reads = 0
+
+    def put(self, keys, blobs):
+        self.write_gate.wait(30)
+        return super().put(keys, blobs)
 
     def get_into(self, keys, buffers):
         self.reads += 1

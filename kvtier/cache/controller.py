@@ -394,7 +394,8 @@ class HiCache:
 
     def flush(self, timeout: float | None = None, save_host: bool = False) -> bool:
         """Complete what is in flight: every transfer, and every storage prefetch (those still
-        reading stop; what arrived joins the host tier); with ``save_host``, save every page the
+        reading stop; what arrived joins the host tier); the write-through backlog saved (waiting
+        for room in the storage tier's queue); with ``save_host``, save every page the
         host tier holds to storage (write-back at shutdown); then wait until the storage tier has
         written every save queued. True once all is written (False: ``timeout`` s passed first)."""
         with self._lock:
@@ -402,6 +403,7 @@ class HiCache:
             if self.storage is not None:
                 for pf in list(self.storage.pending.values()):
                     self.storage.settle(pf)
+                self.storage.drain(wait=True)
                 if save_host:
                     self.storage.save_host()
         return self.storage is None or self.storage.tier.flush(timeout)

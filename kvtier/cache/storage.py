@@ -166,6 +166,7 @@ class CacheStorage(StorageHook):
         salt = tier.salt
         self.writes = salt.spec.kind == MHA or salt.tp_rank == 0
         self.pending: dict[tuple[Node, bytes], Prefetch] = {}
+        self.backlog: dict[Node, int] = {}  # write_through: node -> its trailing pages not saved yet
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -175,20 +176,52 @@ class CacheStorage(StorageHook):
             self.tier.save(page_hashes, None, self.host_pool, host_indices)
 
     def backed_up(self, nodes: list[Node]) -> None:
-        """Nodes whose backup to the host has landed: saved under ``write_through``. A save that
-        raises is counted and logged (the pages stay cached on the host)."""
+        """Nodes whose backup to the host has landed: saved under ``write_through``, as much as the
+        tier's queue takes now; the rest wait in the backlog (see :meth:`drain`)."""
         if not (self.writes and self.config.storage_write == "write_through"):
             return
-        keys, parents = [], []
         for n in nodes:
-            own = self.keys.of_node(n)
-            keys += own
-            parents += [self.keys.of_node(n.parent)[-1], *own[:-1]]
+            self.backlog[n] = len(n) // self.ps  # its whole host copy has just landed
+        self.drain()
+
+    def drain(self, wait: bool = False) -> None:
+        """Save the backlog's pages, oldest first, while the tier's queue has room (``wait``: wait
+        for room until all are queued). An entry is a node and its trailing pages not yet saved; a
+        node split since holds fewer pages, the rest are its new parent's tail; a node gone from the
+        host tier is dropped (its pages went with it). A save that raises is counted and logged
+        (the pages stay cached on the host)."""
+        while self.backlog:
+            node, unsaved = next(iter(self.backlog.items()))
+            if node.host is None or not node.host_ready or not node.alive:
+                del self.backlog[node]
+                continue
+            have = len(node) // self.ps
+            if unsaved > have:  # split: the upper part's tail is unsaved too
+                self.backlog[node.parent] = self.backlog.get(node.parent, 0) + unsaved - have
+                unsaved = self.backlog[node] = have
+            n = min(unsaved, self.tier.room_pages())
+            if n == 0 and wait and self.tier.healthy():
+                self.tier.flush()
+                n = min(unsaved, self.tier.room_pages())
+            if n == 0:
+                return
+            self._save_tail(node, unsaved, n)
+
+    def _save_tail(self, node: Node, unsaved: int, n: int) -> None:
+        """Save ``n`` pages of ``node``'s ``unsaved`` trailing ones (the first of them)."""
+        keys = self.keys.of_node(node)
+        parents = [self.keys.of_node(node.parent)[-1], *keys[:-1]]
+        first = len(keys) - unsaved
+        if n == unsaved:
+            del self.backlog[node]
+        else:
+            self.backlog[node] = unsaved - n
         try:
-            self.tier.save(keys, parents, self.host_pool, _slots(np.concatenate([n.host for n in nodes]), self.ps))
+            self.tier.save(keys[first:first + n], parents[first:first + n], self.host_pool,
+                           _slots(node.host[first:first + n], self.ps))
         except Exception as e:  # noqa: BLE001 - a failed save loses a copy, never the cache
             self.metrics.storage_offer_failures.inc()
-            logger.warning("saving %d backed-up pages to storage failed: %s", len(keys), e)
+            logger.warning("saving %d backed-up pages to storage failed: %s", n, e)
 
     def save_host(self) -> int:
         """Save every page the host tier holds (not being written by a backup) that this rank
@@ -358,7 +391,10 @@ class CacheStorage(StorageHook):
         return tokens
 
     def poll(self) -> None:
-        """Settle the prefetches that are done or past their deadline."""
+        """Save what the backlog's queue room allows; settle the prefetches that are done or past
+        their deadline."""
+        if self.backlog:
+            self.drain()
         if not self.pending:
             return
         now = time.monotonic()
@@ -367,7 +403,8 @@ class CacheStorage(StorageHook):
                 self.settle(pf)
 
     def drop_all(self) -> None:
-        """Stop every prefetch in flight and free its pages (none joins the tree)."""
+        """Stop every prefetch in flight and free its pages (none joins the tree); forget the backlog."""
+        self.backlog.clear()
         for pf in list(self.pending.values()):
             pf.handle.cancel()
             pf.handle = _Stopped()

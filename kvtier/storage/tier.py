@@ -307,6 +307,13 @@ class StorageTier:
         """Whether the store is in use (not marked down)."""
         return self._down_since is None
 
+    def room_pages(self) -> int:
+        """Pages a ``save`` queues now without dropping any (0 while the store is down)."""
+        if not self._usable():
+            return 0
+        with self._lock:
+            return max(0, self.config.max_pending_bytes - self._pending_bytes) // self.codec.blob_bytes
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued save is written (or dropped); False on timeout."""
         with self._idle:

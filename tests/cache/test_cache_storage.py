@@ -106,6 +106,26 @@ def test_write_through_saves_a_page_once_its_backup_lands(tmp_path):
     assert tier.metrics.snapshot()["written_pages_total"] == 10   # eviction does not write them again
 
 
+def test_write_through_saves_what_its_queue_cannot_take_yet_later(tmp_path):
+    """A backup larger than the tier's queue is not dropped: what does not fit waits in the backlog,
+    survives a split of its node, and is saved as the queue drains (at the latest by flush)."""
+    from kvtier.storage.format import PageCodec
+    blob = PageCodec(make_storage_cache(tmp_path / "probe")[-1].salt).blob_bytes
+    cache, *_, tier = make_storage_cache(tmp_path / "s", storage_write="write_through",
+                                         tier_config=TierConfig(max_pending_bytes=2 * blob, batch_pages=1))
+    tier.backend.write_gate.clear()          # the disk stalls: the queue fills with 2 pages
+    put(cache, SEQ)
+    cache.poll()
+    assert cache.storage.backlog and sum(cache.storage.backlog.values()) == 8
+    put(cache, SEQ[:24] + [7] * 8)           # splits the node after 6 pages, inside the backlog's part
+    tier.backend.write_gate.set()
+    assert cache.flush(30)
+    assert tier.lookup(cache.page_hashes(SEQ)) == 10 and not cache.storage.backlog
+    snap = tier.metrics.snapshot()
+    assert snap["save_dropped_pages_total.queue_full"] == 0 and snap["written_pages_total"] >= 10
+    cache.check()
+
+
 def test_write_back_saves_only_what_host_eviction_frees(tmp_path):
     cache, *_, tier = make_storage_cache(tmp_path)
     put(cache, SEQ[:32])
