@@ -188,13 +188,14 @@ class Engine:
             if self.scheduler.has_work() and not self.scheduler.running:
                 raise RuntimeError("no request can be admitted although none is running (device pool too small?)")
             return []
+        loads = any(s.layer_load is not None for s in batch.seqs)
         t0 = time.perf_counter()
         try:
             tokens = self.runner.run(batch)
         except LoadFailedError:  # a host load under the batch failed: its requests are computed again
             self.scheduler.retry(batch)
             return []
-        if batch.prefill:
+        if batch.prefill and not loads:  # a step that loaded waited for its loads too
             self._prefill_time += time.perf_counter() - t0
             self._prefill_tokens += batch.num_tokens
         self.steps += 1
@@ -216,7 +217,8 @@ class Engine:
         return [s.output_ids for s in seqs]
 
     def prefill_seconds_per_token(self) -> float:
-        """Measured so far (a rough default before the first prefill)."""
+        """Measured so far, over the prefill steps that loaded nothing (a step that loaded
+        waited for its loads too); a rough default before the first such step."""
         return self._prefill_time / self._prefill_tokens if self._prefill_tokens else 1e-4
 
     def close(self) -> None:

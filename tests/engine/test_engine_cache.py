@@ -70,11 +70,14 @@ def test_scheduler_reuses_device_then_host_prefix():
     # 64 prompt tokens + 3 generated: the first request's 8 full pages (64 tokens) are reused;
     # its generated tokens differ from [7, 8, 9] so they do not match.
     assert second.reused_device == 64 and second.reused_host == 0 and second.computed == 3
+    rate = e.prefill_seconds_per_token()
     e.kv.cache.poll()
     e.kv.cache.evict_device(e.kv.capacity)  # demote everything: only the host copy is left
     third = e.add_request(prompt + [7, 8, 9], 4)
     e.run_until_done()
     assert third.reused_host == 64 and third.reused_device == 0
+    # the prefill rate the advisor reads leaves out the step that waited for the host load
+    assert (e._prefill_tokens, e.prefill_seconds_per_token()) == (64 + 3, rate)
     fresh = engine(model, "none")
     assert fresh.generate([prompt + [7, 8, 9]], 4) == [second.output_ids] == [third.output_ids]
     assert_all_released(e)

@@ -142,6 +142,7 @@ def test_auto_keeps_dma_for_a_shape_after_one_transfer_too_short_for_copies():
     torch.cuda.synchronize()
     assert all("dma" in c for c in auto._candidates.values()), auto._candidates
     fresh = AutoBackend(KernelBackend(), DMABackend())
+    fresh._models = auto._models   # the same calibration, under which the prior ranks DMA for ``a``
     fresh.load(parts, b, d[: b.numel()], 0)                        # a kernel-only shape first ...
     assert all(c == ["kernel"] for c in fresh._candidates.values()), fresh._candidates
     for _ in range(RECHECK):
