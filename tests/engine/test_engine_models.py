@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from kvtier.engine import Engine, EngineConfig, ModelConfig, load_checkpoint, random_model, save_checkpoint, tiny
 from kvtier.engine.attention import causal_mask, reference_attention, sdpa_attention
 from kvtier.engine.checkpoint import config_from_hf, config_to_hf, hf_state_dict
-from kvtier.engine.models.layers import Linear, Rotary
+from kvtier.engine.models import Linear, Rotary
 
 F64 = torch.float64
 KINDS = ("llama", "deepseek")
