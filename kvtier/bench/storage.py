@@ -6,7 +6,8 @@ Ops, each timed over the same pages and divided by the raw store's put or get:
 
 - ``put``: seal each page (its header; the checksum comes from the copy that encoded it, see
   ``encode``) and store it, in the tier's batches;
-- ``get``: read each page back and verify it (header, key, salt, checksum);
+- ``get``: read each page back and verify it (header, key, salt, checksum), a batch read ahead
+  as a prefetch reads (``StorageTier.read_blobs``);
 - ``save`` / ``prefetch``: the whole tier, from host pages to the store and back into host pages
   (``StorageTier.save`` + ``flush``, ``StorageTier.prefetch`` + ``wait``): the gather and scatter
   of the canonical page order included;
@@ -133,9 +134,8 @@ def kvtier_put(case: Case) -> None:
 
 
 def kvtier_get(case: Case) -> None:
-    for s in _batches(case):
-        lengths = case.backend.get_into(case.keys[s], [memoryview(b) for b in case.buffers[s]])
-        for key, buf, n in zip(case.keys[s], case.buffers[s], lengths):
+    for i, blobs, lengths in case.tier.read_blobs(case.keys):
+        for key, buf, n in zip(case.keys[i:], blobs, lengths):
             case.codec.verify(buf, n, key)
 
 

@@ -14,40 +14,36 @@ cache makes, on the cache's chained page hashes (``chain_keys``):
 
 A store that raises (unreachable) is marked down: lookups answer 0, saves are dropped and
 prefetches load nothing until its ``healthy()`` passes, checked in the background at most once
-every ``health_interval_s``. Counters and gauges are in :class:`StorageMetrics`.
+every ``health_interval_s``. Counters and gauges: :class:`~.metrics.StorageMetrics`.
 """
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily
 
 from ..validate import is_finite_number, is_int
 from . import StorageBackend, Usage
-from .format import HEADER_BYTES, MISS_REASONS, PageCodec, PageRejected, StorageSalt, store_key
+from .format import HEADER_BYTES, PageCodec, PageRejected, StorageSalt, store_key
+from .metrics import Rate, StorageMetrics
 
 logger = logging.getLogger("kvtier")
-
-PREFIX = "kvtier_storage_"
-PREFETCH_OUTCOMES = ("complete", "partial", "miss", "timed_out", "skipped", "failed")
-DROP_REASONS = ("queue_full", "down", "failed", "error")
 
 
 @dataclass(frozen=True)
 class TierConfig:
     """How the storage tier behaves; checked once, never mutated.
 
-    - ``io_threads``: threads for saves, and as many again for prefetches (so reads never
-      queue behind a backlog of writes).
+    - ``io_threads``: threads for saves, as many again for prefetches (so reads never queue
+      behind a backlog of writes), as many for the store reads a prefetch runs a batch ahead, and
+      as many to verify pages and write them into host pages.
     - ``max_pending_bytes``: blobs copied out by ``save`` and not yet written; a save that
       does not fit is dropped (counted), its pages recomputed if needed again.
     - ``batch_pages``: pages per backend call.
@@ -79,90 +75,6 @@ class TierConfig:
                      "health_interval_s"):
             if not is_finite_number(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {getattr(self, name)!r}")
-
-
-class _Rate:
-    """Bytes per second over the last ``window`` timed operations (0 until one is seen)."""
-
-    def __init__(self, window: int = 32):
-        self._samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
-        self._lock = threading.Lock()
-
-    def add(self, nbytes: int, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0:
-            with self._lock:
-                self._samples.append((nbytes, seconds))
-
-    @property
-    def bps(self) -> float:
-        with self._lock:
-            seconds = sum(s for _, s in self._samples)
-            return sum(b for b, _ in self._samples) / seconds if seconds else 0.0
-
-
-class StorageMetrics:
-    """The tier's counters in a private Prometheus registry (``registry``), and ``snapshot()``."""
-
-    def __init__(self, state):
-        self.registry = r = CollectorRegistry(auto_describe=True)
-
-        def counter(name, doc, labels=()):
-            return Counter(PREFIX + name, doc, labels, registry=r)
-
-        def labelled(name, doc, label, values):
-            c = counter(name, doc, [label])
-            return {v: c.labels(v) for v in values}
-
-        self.lookup_pages = counter("lookup_pages", "Pages asked for by lookups")
-        self.hit_pages = counter("hit_pages", "Pages lookups found in the store")
-        self.read_pages = counter("read_pages", "Pages read, verified and written into host pages")
-        self.read_bytes = counter("read_bytes", "Blob bytes read (verified or not)")
-        self.read_seconds = counter("read_seconds", "Time in store reads and verification")
-        self.written_pages = counter("written_pages", "Pages stored")
-        self.written_bytes = counter("written_bytes", "Blob bytes stored")
-        self.write_seconds = counter("write_seconds", "Time in store writes")
-        self.skipped_pages = counter("save_skipped_pages", "Pages not written: the store held them already")
-        self.dropped_pages = labelled("save_dropped_pages", "Pages offered and not stored", "reason", DROP_REASONS)
-        self.corrupt_pages = labelled("corrupt_pages", "Blobs rejected on read, recomputed", "reason",
-                                      [m for m in MISS_REASONS if m != "foreign"])
-        self.foreign_pages = counter("foreign_pages", "Blobs of another salt or format rejected on read")
-        self.missing_pages = counter("missing_pages", "Pages a lookup found and the read did not")
-        self.prefetches = labelled("prefetches", "Prefetches by outcome", "outcome", PREFETCH_OUTCOMES)
-        self.store_errors = counter("store_errors", "Store calls that failed whole (the store marked down)")
-        r.register(_StateCollector(state))
-
-    def rejected(self, reason: str) -> None:
-        (self.foreign_pages if reason == "foreign" else self.corrupt_pages[reason]).inc()
-
-    def snapshot(self) -> dict[str, float]:
-        """Every sample as ``{"name.label": value}`` (name without the ``kvtier_storage_`` prefix)."""
-        return {".".join([s.name.removeprefix(PREFIX), *s.labels.values()]): s.value
-                for m in self.registry.collect() for s in m.samples if not s.name.endswith("_created")}
-
-
-class _StateCollector:
-    """Gauges read from the tier when the registry is collected."""
-
-    NAMES = ("used_bytes", "capacity_bytes", "stored_pages", "pending_bytes", "read_bytes_per_second",
-             "write_bytes_per_second", "up")
-
-    def __init__(self, state):
-        self._state = state
-
-    def describe(self):
-        return self._families(dict.fromkeys(self.NAMES, 0.0))
-
-    def collect(self):
-        return self._families(self._state())
-
-    @staticmethod
-    def _families(values: dict[str, float]):
-        out = []
-        for name, value in values.items():
-            g = GaugeMetricFamily(PREFIX + name, name.replace("_", " "))
-            g.add_metric([], value)
-            out.append(g)
-        return out
 
 
 class PrefetchHandle:
@@ -216,7 +128,7 @@ class StorageTier:
         self.backend, self.config = backend, config
         self.codec = PageCodec(salt)
         self.salt = salt
-        self.read_rate, self.write_rate = _Rate(), _Rate()
+        self.read_rate, self.write_rate = Rate(), Rate()
         self.metrics = StorageMetrics(self._state)
         self._lock = threading.Lock()
         self._pending_bytes = 0
@@ -226,6 +138,8 @@ class StorageTier:
         self._probing = False
         self._saves = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-save")
         self._loads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-load")
+        self._fetches = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-fetch")
+        self._workers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-verify")
         self._idle = threading.Condition(self._lock)
         self._usage = Usage(0, None, 0)
         self._refresh_usage()
@@ -323,6 +237,8 @@ class StorageTier:
         """Finish queued work, then close the store."""
         self._saves.shutdown(wait=True)
         self._loads.shutdown(wait=True)
+        self._fetches.shutdown(wait=True)
+        self._workers.shutdown(wait=True)
         self.backend.close()
 
     # -- saves -----------------------------------------------------------------------------------
@@ -386,51 +302,88 @@ class StorageTier:
 
     # -- prefetches ------------------------------------------------------------------------------
 
+    def read_blobs(self, keys: Sequence[bytes]) -> Iterator[tuple[int, list[np.ndarray], list[int]]]:
+        """The blobs of ``keys`` (store keys, :meth:`keys`), unverified: ``(start, blobs, lengths)``
+        per batch of ``batch_pages``, in order, the next batch's read already running on the fetch
+        threads while the caller handles this one (the blobs are valid until the next step).
+        Closing it early waits for the read in flight. A store error raises from the step."""
+        b = max(1, min(len(keys), self.config.batch_pages))
+        buffers = self._take_buffers(2 * b if keys else 0)
+        spans = [(i, min(i + b, len(keys))) for i in range(0, len(keys), b)]
+
+        def fetch(k: int):
+            i, j = spans[k]
+            blobs = buffers[(k % 2) * b : (k % 2) * b + j - i]
+            return self._fetches.submit(self.backend.get_into, keys[i:j], [memoryview(x) for x in blobs]), blobs
+        pending = fetch(0) if spans else None
+        try:
+            for k, (i, _) in enumerate(spans):
+                (future, blobs), pending = pending, None
+                lengths = future.result()
+                pending = fetch(k + 1) if k + 1 < len(spans) else None
+                yield i, blobs, lengths
+        finally:
+            if pending is not None:
+                wait([pending[0]])
+            self._give_buffers(buffers, queued=False)
+
     def _read(self, handle: PrefetchHandle, keys, parents, host_pool, pages) -> None:
-        buffers = self._take_buffers(min(len(keys), self.config.batch_pages))
+        """One prefetch: its batches read a batch ahead, each verified and written into host pages
+        in order, until one falls short or the handle is cancelled."""
         outcome = "failed"
         try:
-            for i in range(0, len(keys), len(buffers)):
-                j = min(i + len(buffers), len(keys))
-                good = self._read_batch(handle, keys[i:j], parents[i:j], host_pool, pages[i:j], buffers)
-                if good < j - i or handle._cancelled:
-                    break
+            with contextlib.closing(self.read_blobs(keys)) as batches:
+                t0 = time.perf_counter()
+                for i, blobs, lengths in batches:
+                    j = i + len(lengths)
+                    good = self._accept(handle, keys[i:j], parents[i:j], host_pool, pages[i:j], blobs, lengths, t0)
+                    t0 = time.perf_counter()
+                    if good < j - i or handle._cancelled:
+                        break
             outcome = "complete" if handle.ready_pages() == len(keys) else "partial" if handle.ready_pages() else "miss"
         except Exception as e:  # noqa: BLE001 - the store failed whole: what is ready stays ready
             self._mark_down("get", e)
         finally:
-            self._give_buffers(buffers, queued=False)
             self._finish_prefetch(handle, outcome)
 
-    def _read_batch(self, handle, keys, parents, host_pool, pages, buffers) -> int:
-        """Read, verify and write one batch; the count of leading pages now ready."""
-        t0 = time.perf_counter()
-        lengths = self.backend.get_into(keys, [memoryview(b) for b in buffers[: len(keys)]])
-        good = 0
-        for key, parent, blob, n in zip(keys, parents, buffers, lengths):
-            if n < 0:
-                self.metrics.missing_pages.inc()
-                break
-            try:
-                self.codec.verify(blob, n, key, parent)
-            except PageRejected as e:
-                self.metrics.rejected(e.reason)
-                logger.debug("storage page %s rejected: %s", key.hex(), e)
-                self.backend.delete([key])   # else lookups keep finding it and saves skip rewriting it
-                break
-            good += 1
-        seconds = time.perf_counter() - t0
-        nbytes = sum(max(n, 0) for n in lengths)
-        self.read_rate.add(nbytes, seconds)
-        self.metrics.read_bytes.inc(nbytes)
-        self.metrics.read_seconds.inc(seconds)
+    def _accept(self, handle, keys, parents, host_pool, pages, blobs, lengths, t0: float) -> int:
+        """Verify one batch read and write its good leading pages into host pages, a page per worker
+        thread; how many. The read rate counts the batch's bytes over the time since the previous
+        batch was written (``t0``): what the pipeline delivers."""
+        checks = list(self._workers.map(self._check, keys, parents, blobs, lengths))
+        good = next((k for k, why in enumerate(checks) if why is not None), len(checks))
+        if good < len(checks):
+            self._count_miss(keys[good], checks[good])
         with handle._write_lock:
             if handle._cancelled:
                 return 0
-            self.codec.scatter(host_pool, pages[:good], [b[HEADER_BYTES:] for b in buffers[:good]])
+            list(self._workers.map(lambda page, blob: self.codec.scatter(host_pool, [page], [blob[HEADER_BYTES:]]),
+                                   pages[:good], blobs[:good]))
             handle._ready += good
+        seconds, nbytes = time.perf_counter() - t0, sum(max(n, 0) for n in lengths)
+        self.read_rate.add(nbytes, seconds)
+        self.metrics.read_bytes.inc(nbytes)
+        self.metrics.read_seconds.inc(seconds)
         self.metrics.read_pages.inc(good)
         return good
+
+    def _check(self, key: bytes, parent: bytes | None, blob: np.ndarray, n: int) -> PageRejected | str | None:
+        """None for a blob that is the page of ``key``; else why not ("missing", or the rejection)."""
+        if n < 0:
+            return "missing"
+        try:
+            self.codec.verify(blob, n, key, parent)
+        except PageRejected as e:
+            return e
+        return None
+
+    def _count_miss(self, key: bytes, why: PageRejected | str) -> None:
+        if isinstance(why, str):
+            self.metrics.missing_pages.inc()
+            return
+        self.metrics.rejected(why.reason)
+        logger.debug("storage page %s rejected: %s", key.hex(), why)
+        self.backend.delete([key])   # else lookups keep finding it and saves skip rewriting it
 
     def _finish_prefetch(self, handle: PrefetchHandle, outcome: str) -> None:
         handle._finish(outcome)
