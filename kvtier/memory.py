@@ -299,7 +299,7 @@ def huge_pages_default() -> bool:
 
     From 2 MiB pages the zero-copy kernel moves scattered host pages 0.02-0.045x of the link
     faster than from 4 KiB ones; the copy engines do not gain. (Measured on an H200;
-    docs/performance.md, 'Where each default comes from'.)"""
+    docs/configuration.md, 'Where each default comes from'.)"""
     raw = os.environ.get(HUGE_PAGES_ENV, "").strip()
     if raw == "":
         return HUGE_PAGES_SUPPORTED

@@ -85,7 +85,7 @@ class DMAConfig:
       queued in the caller's thread before ``backup()`` returns; the engine's background
       thread queues the rest.
 
-    Every default was measured on an H200 (docs/performance.md, "Where each default comes from").
+    Every default was measured on an H200 (docs/configuration.md, "Where each default comes from").
     """
 
     staging_bytes: int = 128 * MiB
