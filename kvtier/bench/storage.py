@@ -5,9 +5,10 @@ files, plain open/write/read of the same bytes in the same directory), in the sa
 Ops, each timed over the same pages and divided by the raw store's put or get:
 
 - ``put``: seal each page (its header; the checksum comes from the copy that encoded it, see
-  ``encode``) and store it, in the tier's batches;
-- ``get``: read each page back and verify it (header, key, salt, checksum), a batch read ahead
-  as a prefetch reads (``StorageTier.read_blobs``);
+  ``encode``) and store it, in one call as the tier writes a save;
+- ``get``: read each page back and verify it (header, key, salt, checksum), as a prefetch does
+  before writing pages into the host pool (``StorageTier.read_blobs``: a batch ahead, a page per
+  worker thread);
 - ``save`` / ``prefetch``: the whole tier, from host pages to the store and back into host pages
   (``StorageTier.save`` + ``flush``, ``StorageTier.prefetch`` + ``wait``): the gather and scatter
   of the canonical page order included;
@@ -120,23 +121,17 @@ def drop_page_cache(root: str) -> None:
                 os.close(fd)
 
 
-def _batches(case: Case):
-    step = case.tier_config.batch_pages
-    return [slice(i, i + step) for i in range(0, case.pages, step)]
-
-
 def kvtier_put(case: Case) -> None:
-    for s in _batches(case):
-        for key, blob, checksum in zip(case.keys[s], case.blobs[s], case.sums[s]):
-            case.codec.seal(blob, key, None, checksum)
-        if not all(case.backend.put(case.keys[s], case.blobs[s])):
-            raise click.ClickException(f"the {case.backend.name} store refused a page; check its space and --dir")
+    for key, blob, checksum in zip(case.keys, case.blobs, case.sums):
+        case.codec.seal(blob, key, None, checksum)
+    if not all(case.backend.put(case.keys, case.blobs)):   # as the tier writes a save: one call
+        raise click.ClickException(f"the {case.backend.name} store refused a page; check its space and --dir")
 
 
 def kvtier_get(case: Case) -> None:
-    for i, blobs, lengths in case.tier.read_blobs(case.keys):
-        for key, buf, n in zip(case.keys[i:], blobs, lengths):
-            case.codec.verify(buf, n, key)
+    for i, _, _, checks in case.tier.read_blobs(case.keys):
+        if any(why is not None for why in checks):
+            raise click.ClickException(f"a page read back failed its check: {next(w for w in checks if w)}")
 
 
 def tier_save(case: Case) -> None:

@@ -68,7 +68,9 @@ class StorageBackend:
         """Read each key's blob into its buffer (a writable memoryview of at least the blob's
         size). Per key: the blob's length, or -1 where it is missing or did not fit. A key
         deleted or evicted between ``exists`` and ``get_into`` is -1, never garbage; bytes past
-        the returned length are unspecified."""
+        the returned length are unspecified. A backend that reads blob by blob on threads may also
+        offer ``get_into_checked(keys, buffers, check)`` (see the file backend): the tier's check
+        then runs on the reading thread right after each blob is read."""
         raise NotImplementedError
 
     def delete(self, keys: Sequence[bytes]) -> None:

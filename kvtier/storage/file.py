@@ -34,7 +34,7 @@ import numpy as np
 
 from ..validate import is_int, require_positive_int
 from . import KEY_BYTES, RawIO, StorageBackend, StorageError, Usage
-from .format import HEADER_BYTES, PageRejected, read_header
+from .format import HEADER_BYTES, PageRejected, copy_digest, read_header
 
 logger = logging.getLogger("kvtier")
 
@@ -159,6 +159,12 @@ class FileBackend(StorageBackend):
         return done
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
+        return [n for n, _ in self.get_into_checked(keys, buffers, lambda i, n, digest: None)]
+
+    def get_into_checked(self, keys: Sequence[bytes], buffers: Sequence[memoryview], check) -> list[tuple[int, object]]:
+        """:meth:`get_into`, and ``check(i, length, checksum)`` called on the reading thread right
+        after blob ``i`` is read (``checksum``: its payload's, computed as it was copied out of the page
+        cache; None where it was read from disk); per key ``(length, check's result)``."""
         keys = _checked_keys(keys)
         if len(buffers) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers; give one buffer per key")
@@ -166,7 +172,11 @@ class FileBackend(StorageBackend):
         self._check_root()
         with self._lock:
             self._touch([k for k in keys if k in self._index])
-        return self._map(self._get_one, list(zip(keys, views)))
+
+        def one(item):
+            n, digest = self._read_one(*item[1:], digest=True)
+            return n, check(item[0], n, digest)
+        return self._map(one, [(i, k, v) for i, (k, v) in enumerate(zip(keys, views))])
 
     def delete(self, keys: Sequence[bytes]) -> None:
         keys = _checked_keys(keys)
@@ -243,47 +253,54 @@ class FileBackend(StorageBackend):
         finally:
             os.close(fd)
 
-    def _get_one(self, item: tuple[bytes, memoryview]) -> int:
-        key, buf = item
+    def _read_one(self, key: bytes, buf: memoryview, digest: bool = False) -> tuple[int, int | None]:
+        """The blob of ``key`` into ``buf``: its length (-1: none) and, with ``digest`` and where it
+        came from the page cache, its payload's checksum."""
         with self._lock:
             if key not in self._index:
-                return -1
+                return -1, None
         try:
             fd = os.open(self.path_of(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
             with self._lock:  # gone under us (another process, an operator): forget it
                 self._drop(key, unlink=False)
             self._failed("open", e)
-            return -1
+            return -1, None
         try:
             size = os.fstat(fd).st_size
             if size > len(buf):
-                return -1
-            return self._read_mapped(fd, size, buf) if self.config.read_mmap else _read_plain(fd, size, buf)
+                return -1, None
+            if self.config.read_mmap:
+                return self._read_mapped(fd, size, buf, digest)
+            return _read_plain(fd, size, buf), None
         except OSError as e:
             self._failed("read", e)
-            return -1
+            return -1, None
         finally:
             os.close(fd)
 
     @staticmethod
-    def _read_mapped(fd: int, size: int, buf: memoryview) -> int:
-        """Copy a file held in the page cache out of a mapping of it; read() where any page of it is
-        not in memory (a cold file reads faster so, and a mapped page that fails to read would fault)."""
-        if size == 0:
-            return _read_plain(fd, size, buf)
+    def _read_mapped(fd: int, size: int, buf: memoryview, digest: bool) -> tuple[int, int | None]:
+        """Copy a file held in the page cache out of a mapping of it (with ``digest``, its payload's
+        checksum as it is copied); read() where any page of it is not in memory (a cold file reads
+        faster so, and a mapped page that fails to read would fault)."""
+        if size <= HEADER_BYTES:
+            return _read_plain(fd, size, buf), None
         m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         src = None
         try:
             src = np.frombuffer(m, np.uint8)
             if not _resident(src):
-                return _read_plain(fd, size, buf)
+                return _read_plain(fd, size, buf), None
             try:
                 m.madvise(MADV_POPULATE_READ)   # map every page at once rather than fault them in one by one
             except OSError:
                 pass                            # a kernel before 5.14: faulted in as copied
-            np.copyto(np.frombuffer(buf, np.uint8, count=size), src)
-            return size
+            dst = np.frombuffer(buf, np.uint8, count=size)
+            if digest:
+                return size, copy_digest(dst, src)
+            np.copyto(dst, src)
+            return size, None
         finally:
             del src  # the mapping closes only once no array points into it
             m.close()

@@ -53,6 +53,7 @@ _DTYPE_CODES = {name: i for i, name in enumerate(
 
 MISS_REASONS = ("corrupt", "short", "wrong_key", "foreign")
 CHUNK_BYTES = 256 << 10  # what gather copies before checksumming it: fits the L2 cache of common CPUs
+DIGEST_CHUNK = 2 << 20   # copy_digest's: 8 MiB blobs from the page cache 8.4 GB/s, 1 MiB 8.2, 512 KiB 7.0 (2-core CPU)
 
 
 class PageRejected(Exception):
@@ -302,10 +303,12 @@ class PageCodec:
         self.seal(blob, key, parent)
         return blob.tobytes()
 
-    def verify(self, blob, nbytes: int, key: bytes, parent: bytes | None = None) -> memoryview:
+    def verify(self, blob, nbytes: int, key: bytes, parent: bytes | None = None,
+               checksum: int | None = None) -> memoryview:
         """The payload of the first ``nbytes`` of ``blob`` if it is the page stored under ``key``
         (and, where ``parent`` is given, written with that parent) for this salt, whole;
-        else :class:`PageRejected` naming why."""
+        else :class:`PageRejected` naming why. ``checksum``: the payload's, as :func:`copy_digest`
+        computed it while reading the blob (None: computed here)."""
         mv = memoryview(blob).cast("B")[: max(nbytes, 0)]
         h = read_header(mv)
         if (h.salt, h.kind, h.dtype, h.page_size, h.layer_num, h.head_lo, h.head_hi) != self._expect[:7]:
@@ -322,6 +325,19 @@ class PageCodec:
         if len(mv) > self.blob_bytes:
             raise PageRejected("corrupt", f"{len(mv)} bytes, more than the page's {self.blob_bytes}")
         payload = mv[HEADER_BYTES:]
-        if xxhash.xxh3_64_intdigest(payload) != h.checksum:
+        if (xxhash.xxh3_64_intdigest(payload) if checksum is None else checksum) != h.checksum:
             raise PageRejected("corrupt", "payload checksum mismatch")
         return payload
+
+
+def copy_digest(dst: np.ndarray, src: np.ndarray) -> int:
+    """Copy the blob ``src`` into ``dst`` (uint8, as long) and return its payload's checksum (the
+    bytes past the header), computed a chunk at a time right after each is copied, while in the CPU's
+    cache: a second pass over a copied 8 MiB page reads it from memory again."""
+    h = xxhash.xxh3_64()
+    np.copyto(dst[:HEADER_BYTES], src[:HEADER_BYTES])
+    for i in range(HEADER_BYTES, len(src), DIGEST_CHUNK):
+        j = min(i + DIGEST_CHUNK, len(src))
+        np.copyto(dst[i:j], src[i:j])
+        h.update(dst[i:j])
+    return h.intdigest()

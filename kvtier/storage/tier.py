@@ -19,6 +19,7 @@ every ``health_interval_s``. Counters and gauges: :class:`~.metrics.StorageMetri
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -35,6 +36,7 @@ from .format import HEADER_BYTES, PageCodec, PageRejected, StorageSalt, store_ke
 from .metrics import Rate, StorageMetrics
 
 logger = logging.getLogger("kvtier")
+READ_AHEAD = 2  # batches a prefetch reads ahead (its buffers: 3 x batch_pages blobs); 1 left the file store's readers idle at each batch's end
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ class TierConfig:
       as many to verify pages and write them into host pages.
     - ``max_pending_bytes``: blobs copied out by ``save`` and not yet written; a save that
       does not fit is dropped (counted), its pages recomputed if needed again.
-    - ``batch_pages``: pages per backend call.
+    - ``batch_pages``: pages per backend read (a prefetch's batches, verified and written into
+      host pages in order); a save's pages go to the backend in one call, which it windows.
     - ``skip_stored``: before writing a chain, ask the store which leading pages it holds and
       write only the rest.
     - ``prefetch_timeout_s`` + twice the pages' read time at the measured bandwidth (before one
@@ -140,6 +143,7 @@ class StorageTier:
         self._loads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-load")
         self._fetches = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-fetch")
         self._workers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-verify")
+        self._reads_checked = _defined_together(type(backend), "get_into_checked", "get_into")
         self._idle = threading.Condition(self._lock)
         self._usage = Usage(0, None, 0)
         self._refresh_usage()
@@ -261,10 +265,9 @@ class StorageTier:
         try:
             done = self.backend.exists(keys) if self.config.skip_stored else 0
             self.metrics.skipped_pages.inc(done)
-            while done < len(keys):
-                end = min(done + self.config.batch_pages, len(keys))
-                self._write_batch(keys[done:end], parents[done:end], blobs[done:end], sums[done:end])
-                done = end
+            if done < len(keys):  # one call: the backend spreads it over its threads or windows it
+                self._write_batch(keys[done:], parents[done:], blobs[done:], sums[done:])
+                done = len(keys)
         except Exception as e:  # noqa: BLE001 - the store failed whole: drop the rest, mark it down
             self.metrics.dropped_pages["error"].inc(len(keys) - done)
             self._mark_down("put", e)
@@ -302,43 +305,59 @@ class StorageTier:
 
     # -- prefetches ------------------------------------------------------------------------------
 
-    def read_blobs(self, keys: Sequence[bytes]) -> Iterator[tuple[int, list[np.ndarray], list[int]]]:
-        """The blobs of ``keys`` (store keys, :meth:`keys`), unverified: ``(start, blobs, lengths)``
-        per batch of ``batch_pages``, in order, the next batch's read already running on the fetch
-        threads while the caller handles this one (the blobs are valid until the next step).
-        Closing it early waits for the read in flight. A store error raises from the step."""
+    def read_blobs(self, keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None
+                   ) -> Iterator[tuple[int, list[np.ndarray], list[int], list]]:
+        """The blobs of ``keys`` (store keys, :meth:`keys`; ``parents``: each one's parent store key
+        to check, None where unknown), read and verified: ``(start, blobs, lengths, checks)`` per
+        batch of ``batch_pages``, in order, where ``checks[i]`` is None for a blob that is its key's
+        page, else why not (``"missing"`` or the :class:`PageRejected`). The next batch is read and
+        verified (a page per worker thread) while the caller handles this one; the blobs are valid
+        until the next step. Closing it early waits for the batch in flight. A store error raises
+        from the step."""
+        parents = [None] * len(keys) if parents is None else parents
         b = max(1, min(len(keys), self.config.batch_pages))
-        buffers = self._take_buffers(2 * b if keys else 0)
+        slots = READ_AHEAD + 1   # batches in flight, and the one the caller holds
+        buffers = self._take_buffers(slots * b if keys else 0)
         spans = [(i, min(i + b, len(keys))) for i in range(0, len(keys), b)]
 
         def fetch(k: int):
             i, j = spans[k]
-            blobs = buffers[(k % 2) * b : (k % 2) * b + j - i]
-            return self._fetches.submit(self.backend.get_into, keys[i:j], [memoryview(x) for x in blobs]), blobs
-        pending = fetch(0) if spans else None
+            blobs = buffers[(k % slots) * b : (k % slots) * b + j - i]
+            return self._fetches.submit(self._fetch_checked, keys[i:j], parents[i:j], blobs), blobs
+        pending = collections.deque(fetch(k) for k in range(min(READ_AHEAD, len(spans))))
         try:
             for k, (i, _) in enumerate(spans):
-                (future, blobs), pending = pending, None
-                lengths = future.result()
-                pending = fetch(k + 1) if k + 1 < len(spans) else None
-                yield i, blobs, lengths
+                future, blobs = pending.popleft()
+                lengths, checks = future.result()
+                if k + READ_AHEAD < len(spans):
+                    pending.append(fetch(k + READ_AHEAD))
+                yield i, blobs, lengths, checks
         finally:
-            if pending is not None:
-                wait([pending[0]])
+            wait([f for f, _ in pending])
             self._give_buffers(buffers, queued=False)
 
+    def _fetch_checked(self, keys, parents, blobs) -> tuple[list[int], list]:
+        """Read and verify one batch: on the backend's reading threads where it offers
+        ``get_into_checked`` (each blob verified while still in cache), else a page per worker."""
+        views = [memoryview(x) for x in blobs]
+        if self._reads_checked:
+            pairs = self.backend.get_into_checked(
+                keys, views, lambda i, n, checksum: self._check(keys[i], parents[i], blobs[i], n, checksum))
+            return [n for n, _ in pairs], [why for _, why in pairs]
+        lengths = self.backend.get_into(keys, views)
+        return lengths, list(self._workers.map(self._check, keys, parents, blobs, lengths))
+
     def _read(self, handle: PrefetchHandle, keys, parents, host_pool, pages) -> None:
-        """One prefetch: its batches read a batch ahead, each verified and written into host pages
+        """One prefetch: its batches read and verified a batch ahead, each written into host pages
         in order, until one falls short or the handle is cancelled."""
         outcome = "failed"
         try:
-            with contextlib.closing(self.read_blobs(keys)) as batches:
+            with contextlib.closing(self.read_blobs(keys, parents)) as batches:
                 t0 = time.perf_counter()
-                for i, blobs, lengths in batches:
-                    j = i + len(lengths)
-                    good = self._accept(handle, keys[i:j], parents[i:j], host_pool, pages[i:j], blobs, lengths, t0)
+                for i, blobs, lengths, checks in batches:
+                    good = self._accept(handle, keys[i:], host_pool, pages[i:], blobs, lengths, checks, t0)
                     t0 = time.perf_counter()
-                    if good < j - i or handle._cancelled:
+                    if good < len(lengths) or handle._cancelled:
                         break
             outcome = "complete" if handle.ready_pages() == len(keys) else "partial" if handle.ready_pages() else "miss"
         except Exception as e:  # noqa: BLE001 - the store failed whole: what is ready stays ready
@@ -346,11 +365,10 @@ class StorageTier:
         finally:
             self._finish_prefetch(handle, outcome)
 
-    def _accept(self, handle, keys, parents, host_pool, pages, blobs, lengths, t0: float) -> int:
-        """Verify one batch read and write its good leading pages into host pages, a page per worker
-        thread; how many. The read rate counts the batch's bytes over the time since the previous
-        batch was written (``t0``): what the pipeline delivers."""
-        checks = list(self._workers.map(self._check, keys, parents, blobs, lengths))
+    def _accept(self, handle, keys, host_pool, pages, blobs, lengths, checks, t0: float) -> int:
+        """Write one verified batch's good leading pages into host pages, a page per worker thread;
+        how many. The read rate counts the batch's bytes over the time since the previous batch was
+        written (``t0``): what the pipeline delivers."""
         good = next((k for k, why in enumerate(checks) if why is not None), len(checks))
         if good < len(checks):
             self._count_miss(keys[good], checks[good])
@@ -367,12 +385,14 @@ class StorageTier:
         self.metrics.read_pages.inc(good)
         return good
 
-    def _check(self, key: bytes, parent: bytes | None, blob: np.ndarray, n: int) -> PageRejected | str | None:
-        """None for a blob that is the page of ``key``; else why not ("missing", or the rejection)."""
+    def _check(self, key: bytes, parent: bytes | None, blob: np.ndarray, n: int,
+               checksum: int | None = None) -> PageRejected | str | None:
+        """None for a blob that is the page of ``key`` (``checksum``: its payload's, where the read
+        computed it); else why not ("missing", or the rejection)."""
         if n < 0:
             return "missing"
         try:
-            self.codec.verify(blob, n, key, parent)
+            self.codec.verify(blob, n, key, parent, checksum)
         except PageRejected as e:
             return e
         return None
@@ -450,3 +470,10 @@ class StorageTier:
             self._usage = self.backend.usage()
         except Exception:  # noqa: BLE001 - gauges keep their last values while the store does not answer
             pass
+
+
+def _defined_together(cls: type, name: str, other: str) -> bool:
+    """Whether ``cls`` has ``name`` from the same class as its ``other`` (a subclass that overrides
+    ``get_into`` alone keeps being called through it)."""
+    owner = lambda n: next((c for c in cls.__mro__ if n in c.__dict__), None)  # noqa: E731
+    return owner(name) is not None and owner(name) is owner(other)
