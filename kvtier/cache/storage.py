@@ -209,8 +209,7 @@ class CacheStorage(StorageHook):
 
     def _save_tail(self, node: Node, unsaved: int, n: int) -> None:
         """Save ``n`` pages of ``node``'s ``unsaved`` trailing ones (the first of them)."""
-        keys = self.keys.of_node(node)
-        parents = [self.keys.of_node(node.parent)[-1], *keys[:-1]]
+        keys, parents = self._chain(node)
         first = len(keys) - unsaved
         if n == unsaved:
             del self.backlog[node]
@@ -231,14 +230,18 @@ class CacheStorage(StorageHook):
             return 0
         queued = 0
         for n in [n for n in self.tree.host_nodes if n.host_ready and n.op is None]:
-            keys = self.keys.of_node(n)
-            parents = [self.keys.of_node(n.parent)[-1], *keys[:-1]]
+            keys, parents = self._chain(n)
             done = self.tier.save(keys, parents, self.host_pool, _slots(n.host, self.ps))
             if done < len(keys):  # the queue was full: let it drain, then the rest once more
                 self.tier.flush()
                 done += self.tier.save(keys[done:], parents[done:], self.host_pool, _slots(n.host[done:], self.ps))
             queued += done
         return queued
+
+    def _chain(self, node: Node) -> tuple[list[bytes], list[bytes]]:
+        """``node``'s chain keys, and each one's parent key."""
+        keys = self.keys.of_node(node)
+        return keys, [self.keys.of_node(node.parent)[-1], *keys[:-1]]
 
     # -- prefetch: prepare ---------------------------------------------------------------------
 

@@ -159,12 +159,12 @@ class FileBackend(StorageBackend):
         return done
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
-        return [n for n, _ in self.get_into_checked(keys, buffers, lambda i, n, digest: None)]
+        return [n for n, _ in self.get_into_checked(keys, buffers)]
 
-    def get_into_checked(self, keys: Sequence[bytes], buffers: Sequence[memoryview], check) -> list[tuple[int, object]]:
-        """:meth:`get_into`, and ``check(i, length, checksum)`` called on the reading thread right
-        after blob ``i`` is read (``checksum``: its payload's, computed as it was copied out of the page
-        cache; None where it was read from disk); per key ``(length, check's result)``."""
+    def get_into_checked(self, keys: Sequence[bytes], buffers: Sequence[memoryview], check=None) -> list[tuple]:
+        """:meth:`get_into`, and ``check(i, length, checksum)`` called on the reading thread right after
+        blob ``i`` is read (``checksum``: its payload's, taken as it was copied out of the page cache;
+        None where read from disk); per key ``(length, check's result or None)``."""
         keys = _checked_keys(keys)
         if len(buffers) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers; give one buffer per key")
@@ -174,8 +174,8 @@ class FileBackend(StorageBackend):
             self._touch([k for k in keys if k in self._index])
 
         def one(item):
-            n, digest = self._read_one(*item[1:], digest=True)
-            return n, check(item[0], n, digest)
+            n, digest = self._read_one(*item[1:], digest=check is not None)
+            return n, None if check is None else check(item[0], n, digest)
         return self._map(one, [(i, k, v) for i, (k, v) in enumerate(zip(keys, views))])
 
     def delete(self, keys: Sequence[bytes]) -> None:

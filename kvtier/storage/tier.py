@@ -310,10 +310,10 @@ class StorageTier:
         """The blobs of ``keys`` (store keys, :meth:`keys`; ``parents``: each one's parent store key
         to check, None where unknown), read and verified: ``(start, blobs, lengths, checks)`` per
         batch of ``batch_pages``, in order, where ``checks[i]`` is None for a blob that is its key's
-        page, else why not (``"missing"`` or the :class:`PageRejected`). The next batch is read and
-        verified (a page per worker thread) while the caller handles this one; the blobs are valid
-        until the next step. Closing it early waits for the batch in flight. A store error raises
-        from the step."""
+        page, else why not (``"missing"`` or the :class:`PageRejected`). The next :data:`READ_AHEAD`
+        batches are read and verified while the caller handles this one; the blobs are valid until
+        the next step. Closing it early waits for the batches in flight. A store error raises from
+        the step."""
         parents = [None] * len(keys) if parents is None else parents
         b = max(1, min(len(keys), self.config.batch_pages))
         slots = READ_AHEAD + 1   # batches in flight, and the one the caller holds
