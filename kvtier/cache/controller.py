@@ -149,10 +149,7 @@ class HiCache:
         """:meth:`match_prefix` in the tree, its node locked."""
         self._poll()
         root = self._root(namespace)
-        path, matched, partial = self.tree.walk(root, tokens)
-        if partial is not None:
-            path.append(self.tree.split(*partial))
-            matched += partial[1]
+        path, matched = self.tree.walk_split(root, tokens)
         n_dev = ready_prefix(path)
         dev_pages = concat([n.device for n in path[:n_dev]])
         host_len = matched - len(dev_pages) * self.page_size

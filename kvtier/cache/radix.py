@@ -217,6 +217,15 @@ class RadixTree:
             node = child
         return path, pos, None
 
+    def walk_split(self, root: Node, tokens) -> tuple[list[Node], int]:
+        """:meth:`walk`, the edge it ended inside split there: ``(path, matched)``, the path's last
+        node ending exactly at the match."""
+        path, matched, partial = self.walk(root, tokens)
+        if partial is not None:
+            path.append(self.split(*partial))
+            matched += partial[1]
+        return path, matched
+
     def split(self, node: Node, k: int) -> Node:
         """Cut ``node``'s edge after ``k`` tokens; returns the new upper node.
 

@@ -353,10 +353,7 @@ class CacheStorage(StorageHook):
         tokens = pf.tokens[: ready * self.ps]
         if not ready:
             return slice(0, 0)
-        path, matched, partial = self.tree.walk(pf.anchor, tokens)
-        if partial is not None:
-            path.append(self.tree.split(*partial))
-            matched += partial[1]
+        path, matched = self.tree.walk_split(pf.anchor, tokens)
         if matched == len(tokens):
             return slice(0, 0)
         parent = path[-1] if path else pf.anchor
@@ -375,10 +372,7 @@ class CacheStorage(StorageHook):
         pf = match.prefetch
         self.settle(pf)
         tokens = pf.tokens[: min(pages * self.ps, match.storage_len)]
-        path, _, partial = self.tree.walk(match.node, tokens)
-        if partial is not None:
-            path.append(self.tree.split(*partial))
-        return path
+        return self.tree.walk_split(match.node, tokens)[0]
 
     def loaded(self, to_load: list[Node], ext: list[Node]) -> int:
         """A load of ``to_load`` started (``ext``: its nodes past the match): the tokens of those
