@@ -35,8 +35,14 @@ def valkey_binary() -> str | None:
         return shutil.which("valkey-server") or shutil.which("redis-server")
 
 
-def until(ready, seconds: float, what: str) -> None:
-    """Poll ``ready`` (exceptions count as not ready) until it is true; ``RuntimeError`` after ``seconds``."""
+class PortTaken(RuntimeError):
+    """A server exited at start-up because its port, free when picked, was taken meanwhile."""
+
+
+def until(ready, seconds: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    """Poll ``ready`` (exceptions count as not ready) until it is true; ``RuntimeError`` after ``seconds``,
+    or as soon as ``proc`` has exited (with the tail of its ``log``; :class:`PortTaken` where its port was
+    taken)."""
     end = time.monotonic() + seconds
     while True:
         try:
@@ -44,9 +50,30 @@ def until(ready, seconds: float, what: str) -> None:
                 return
         except Exception:
             pass
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log is not None and log.exists() else ""
+            error = PortTaken if "Address already in use" in tail else RuntimeError
+            raise error(f"{what}: it exited with code {proc.returncode}\n{tail}")
         if time.monotonic() > end:
             raise RuntimeError(f"{what} within {seconds} s")
         time.sleep(0.05)
+
+
+def start_retrying(server, start_once, new_ports) -> None:
+    """``start_once()``, again on fresh ports (``new_ports()``) while a server loses its port to
+    another process between picking and binding it (twice at most); ``server.stop()`` on failure."""
+    for attempt in range(3):
+        try:
+            start_once()
+            return
+        except PortTaken:
+            server.stop()
+            if attempt == 2:
+                raise
+            new_ports()
+        except BaseException:
+            server.stop()
+            raise
 
 
 class LocalValkey:
@@ -62,9 +89,13 @@ class LocalValkey:
                                "or apt-get install redis-server")
         self.workdir, self.cluster, self.password = Path(workdir), cluster, password
         self.settings, self.tls = tuple(settings), tls
-        self.ports = [free_port() for _ in range(masters if cluster else 1)]
-        self.bus_ports = [free_port() for _ in self.ports]
+        self.ports = [0] * (masters if cluster else 1)
+        self._new_ports()
         self.procs: list[subprocess.Popen | None] = [None] * len(self.ports)
+
+    def _new_ports(self) -> None:
+        self.ports = [free_port() for _ in self.ports]
+        self.bus_ports = [free_port() for _ in self.ports]
 
     def config(self, **overrides):
         """The :class:`~kvtier.storage.valkey.ValkeyConfig` of these servers (``overrides`` replace fields)."""
@@ -107,18 +138,18 @@ class LocalValkey:
         (self.workdir / f"nodes-{self.ports[i]}.conf").unlink(missing_ok=True)
         self.procs[i] = subprocess.Popen([self.binary, str(self._conf(i))], stdout=subprocess.DEVNULL,
                                          stderr=subprocess.DEVNULL)
-        until(lambda: self.client(i).ping(), 15, f"valkey on port {self.ports[i]} did not start")
+        until(lambda: self.client(i).ping(), 15, f"valkey on port {self.ports[i]} did not start", self.procs[i],
+              self.workdir / f"valkey-{self.ports[i]}.log")
 
     def start(self) -> "LocalValkey":
         self.workdir.mkdir(parents=True, exist_ok=True)
-        try:
+
+        def once():
             for i in range(len(self.ports)):
                 self.start_server(i)
             if self.cluster:
                 self.join()
-        except BaseException:
-            self.stop()
-            raise
+        start_retrying(self, once, self._new_ports)
         return self
 
     def join(self) -> None:
@@ -177,8 +208,11 @@ class LocalMooncake:
 
     def __init__(self, workdir, segment_mb: int = 256, master_args: Sequence[str] = ()):
         self.workdir, self.segment_mb, self.master_args = Path(workdir), segment_mb, tuple(master_args)
-        self.rpc, self.meta, self.metrics, self.client_port = (free_port() for _ in range(4))
+        self._new_ports()
         self.procs: dict[str, subprocess.Popen] = {}
+
+    def _new_ports(self) -> None:
+        self.rpc, self.meta, self.metrics, self.client_port = (free_port() for _ in range(4))
 
     def config(self, **overrides):
         from .mooncake import MooncakeConfig
@@ -201,13 +235,14 @@ class LocalMooncake:
         self._spawn("meta", [sys.executable, "-m", "mooncake.http_metadata_server", "--host", "127.0.0.1",
                              "--port", str(self.meta), "--log-level", "WARNING"])
         until(lambda: socket.create_connection(("127.0.0.1", self.meta), 1).close() is None, 20,
-              "the Mooncake metadata server did not start")
+              "the Mooncake metadata server did not start", *self._watch("meta"))
 
     def start_master(self) -> None:
         self._spawn("master", [mooncake_binary("mooncake_master"), f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
                                "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics}", "--client_ttl=2",
                                "--logtostderr", *self.master_args])
-        until(lambda: "master_total_capacity_bytes" in self.scrape(), 20, "mooncake_master did not start")
+        until(lambda: "master_total_capacity_bytes" in self.scrape(), 20, "mooncake_master did not start",
+              *self._watch("master"))
 
     def start_store(self) -> None:
         """The store server, and wait until the master counts its memory."""
@@ -217,7 +252,10 @@ class LocalMooncake:
                               f"--metadata_server=http://127.0.0.1:{self.meta}/metadata", "--protocol=tcp",
                               "--logtostderr"])
         until(lambda: self.capacity() >= self.segment_mb << 20, 30,
-              "the Mooncake store server did not mount its memory")
+              "the Mooncake store server did not mount its memory", *self._watch("store"))
+
+    def _watch(self, name: str) -> tuple:
+        return self.procs[name], self.workdir / f"{name}.log"
 
     def scrape(self) -> str:
         import urllib.request
@@ -230,13 +268,12 @@ class LocalMooncake:
 
     def start(self) -> "LocalMooncake":
         self.workdir.mkdir(parents=True, exist_ok=True)
-        try:
+
+        def once():
             self.start_meta()
             self.start_master()
             self.start_store()
-        except BaseException:
-            self.stop()
-            raise
+        start_retrying(self, once, self._new_ports)
         return self
 
     def signal(self, name: str, sig: int) -> None:

@@ -177,3 +177,23 @@ def test_nothing_listening_is_refused_fast():
     backend = ValkeyBackend(ValkeyConfig(nodes=(("127.0.0.1", free_port()),), timeout_s=5))
     out, seconds = timed(lambda: backend.put(keys(1), [b"x"]))
     assert isinstance(out, StorageError) and seconds < 1
+
+
+def test_a_port_taken_between_picking_and_binding_is_picked_again(tmp_path):
+    """Ports are picked free and bound later by the server; another process may take one in between
+    (a Mooncake master lost its metrics port so in CI). The server's start-up fails at once on it,
+    with its log, and the start goes on with fresh ports."""
+    import socket
+
+    s = LocalValkey(tmp_path)
+    taken = s.ports[0]
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", taken))
+        thief.listen()
+        started = time.monotonic()
+        s.start()
+        try:
+            assert s.ports[0] != taken and s.client().ping()
+            assert time.monotonic() - started < 10   # not after the 15 s wait for a server that died
+        finally:
+            s.stop()
