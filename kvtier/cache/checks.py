@@ -118,11 +118,12 @@ class PageRuns:
             self.runs = [(p, f, e - p) for p, f, e in zip(starts, firsts, starts[1:] + [len(pages)])]
 
     @staticmethod
-    def of_slots(slots: np.ndarray, page_size: int, size: int, whole: bool = True) -> "PageRuns":
+    def of_slots(slots: np.ndarray, page_size: int, size: int, whole: bool = True, base: int = 0) -> "PageRuns":
         """The pages of slots of whole pages (each page's ``page_size`` slots in order; at page 1
         the slots themselves); ``ValueError`` naming the first slot out of range or the first
-        position that does not start a whole page. One pass over the slots: their runs.
-        ``whole=False`` reads only each page's first slot (the caller vouches for the rest)."""
+        position (counted from ``base``) that does not start a whole page. One pass over the
+        slots: their runs. ``whole=False`` reads only each page's first slot (the caller vouches
+        for the rest)."""
         n = len(slots)
         if n % page_size:
             raise ValueError(f"{n} indices is not a whole number of pages of {page_size} tokens")
@@ -131,7 +132,7 @@ class PageRuns:
             if len(firsts) and firsts.min() >= 0 and firsts.max() < size and not (firsts % page_size).any():
                 return PageRuns(firsts // page_size)
         if n and one_run(slots):  # as an allocator hands them out: one comparison pass, no index arrays
-            return PageRuns._one(slots, page_size, size)
+            return PageRuns._one(slots, page_size, size, base)
         starts = _run_starts(slots)
         ends = starts[1:] + [n] if n else []
         firsts, lasts = slots[starts].tolist(), slots[[e - 1 for e in ends]].tolist()
@@ -143,12 +144,12 @@ class PageRuns:
         for p, f, e in zip(starts, firsts, ends):  # a run that starts and ends on page boundaries is whole pages
             if p % page_size or f % page_size or e % page_size:
                 at = p // page_size * page_size
-                raise ValueError(f"indices {slots[at:at + 4].tolist()}... at position {at} are not one whole "
+                raise ValueError(f"indices {slots[at:at + 4].tolist()}... at position {base + at} are not one whole "
                                  f"page (expected p*{page_size} .. p*{page_size}+{page_size - 1})")
         return PageRuns(slots[::page_size] // page_size, [p // page_size for p in starts])
 
     @staticmethod
-    def _one(slots: np.ndarray, page_size: int, size: int) -> "PageRuns":
+    def _one(slots: np.ndarray, page_size: int, size: int, base: int) -> "PageRuns":
         """:meth:`of_slots` of slots that are one run ``f, f + 1, ...`` (same checks, same errors)."""
         n, f = len(slots), int(slots[0])
         if f < 0 or f + n > size:
@@ -156,19 +157,9 @@ class PageRuns:
         if page_size == 1:
             return PageRuns(slots, [0], [f])
         if f % page_size:
-            raise ValueError(f"indices {slots[:4].tolist()}... at position 0 are not one whole "
+            raise ValueError(f"indices {slots[:4].tolist()}... at position {base} are not one whole "
                              f"page (expected p*{page_size} .. p*{page_size}+{page_size - 1})")
         return PageRuns(slots[::page_size] // page_size, [0], [f // page_size])
-
-    def tail(self, k: int) -> "PageRuns":
-        """``pages[k:]`` and its runs."""
-        if k == 0:
-            return self
-        if self.runs is None:
-            return PageRuns(self.pages[k:])
-        out = PageRuns(self.pages[k:], [])
-        out.runs = [(max(p, k) - k, f + max(k - p, 0), n - max(k - p, 0)) for p, f, n in self.runs if p + n > k]
-        return out
 
     def first_not(self, marks: np.ndarray, mark: int) -> int | None:
         """The first page whose mark is not ``mark``, or None."""
@@ -276,22 +267,20 @@ def claim_device_pool(device_pool, cache) -> None:
     device_pool._kvtier_cache = weakref.ref(cache)
 
 
-def check_insert_pages(path, partial, pages: PageRuns, owner: np.ndarray, page_size: int) -> PageRuns:
-    """An insert's ``pages`` (page ``i`` holds the KV of the query's page ``i``) against the tree
-    it walked (``path`` and ``partial``, :meth:`~.radix.RadixTree.walk`): every page is the
-    caller's (marked :data:`~.tiers.REQUEST` in ``owner``) or the tree's own page at that very
-    position, and none is named twice; ``ValueError`` otherwise. Returns the runs of the pages
-    past the tree's (the new leaf's)."""
+def check_insert_pages(path, partial, head: PageRuns, new: PageRuns, owner: np.ndarray, page_size: int) -> None:
+    """An insert's pages against the tree it walked (``path`` and ``partial``,
+    :meth:`~.radix.RadixTree.walk`): ``head`` for the query's pages the tree holds, ``new`` for
+    the rest (the new leaf's). Every page is the caller's (marked :data:`~.tiers.REQUEST` in
+    ``owner``) or the tree's own page at that very position, and none is named twice;
+    ``ValueError`` otherwise."""
     held = [n.device if n.device is not None else np.full(len(n) // page_size, -1) for n in path]
     if partial is not None:
         child, k = partial
         whole = child.device if child.device is not None else np.full(len(child) // page_size, -1)
         held.append(whole[: k // page_size])
-    existing = held[0] if len(held) == 1 else np.concatenate(held) if held else pages.pages[:0]
-    head = pages.pages[: len(existing)]
-    differ = head != existing
-    dup = head[differ] if differ.any() else head[:0]
-    new = pages.tail(len(existing))
+    existing = held[0] if len(held) == 1 else np.concatenate(held) if held else head.pages[:0]
+    differ = head.pages != existing
+    dup = head.pages[differ] if differ.any() else head.pages[:0]
     mine = PageRuns(np.concatenate([dup, new.pages])) if len(dup) else new
     bad = mine.first_not(owner, _REQUEST)
     if bad is not None:
@@ -300,4 +289,3 @@ def check_insert_pages(path, partial, pages: PageRuns, owner: np.ndarray, page_s
     twice = mine.repeated()
     if twice is not None:
         raise ValueError(f"device_indices names a page twice (page {twice}); give each page once")
-    return new

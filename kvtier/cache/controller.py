@@ -236,16 +236,19 @@ class HiCache:
         if len(slots) > len(tokens):
             raise ValueError(f"{len(slots)} device_indices for only {len(tokens)} token_ids")
         n_full = len(slots) // self.page_size * self.page_size
-        pages = self._slot_pages(slots[:n_full], "device_indices", self.config.check_slots)
         with self._lock:
             root = self._root(namespace)
             try:
                 path, matched, partial = self.tree.walk(root, tokens, n_full)
-                new = check_insert_pages(path, partial, pages, self.tiers.owner, self.page_size)
+                held = matched + (partial[1] if partial is not None else 0)
+                # The pages the tree holds and the new ones apart: the new ones are usually one run.
+                head = self._slot_pages(slots[:held], "device_indices", self.config.check_slots)
+                new = self._slot_pages(slots[held:n_full], "device_indices", self.config.check_slots, held)
+                check_insert_pages(path, partial, head, new, self.tiers.owner, self.page_size)
                 if partial is not None:
                     path.append(self.tree.split(*partial))
                     matched += partial[1]
-                self._absorb(path, pages.pages)
+                self._absorb(path, head.pages)
                 if matched < n_full:
                     self._add_leaf(path[-1] if path else root, stored(tokens, matched, n_full), new)
                 else:
@@ -489,8 +492,8 @@ class HiCache:
         if hot:
             self._optional_backup(hot)
 
-    def _slot_pages(self, slots, name: str, whole: bool = True) -> PageRuns:
+    def _slot_pages(self, slots, name: str, whole: bool = True, base: int = 0) -> PageRuns:
         try:
-            return PageRuns.of_slots(slots, self.page_size, self.tiers.device_alloc.size, whole)
+            return PageRuns.of_slots(slots, self.page_size, self.tiers.device_alloc.size, whole, base)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None

@@ -215,6 +215,8 @@ def test_misuse_raises_before_changing_anything():
     other = [1, 2, 3, 4] * 4
     with pytest.raises(ValueError, match="not the caller's"):
         cache.insert(other, tree_slots)                      # the tree's slots, but for other tokens
+    with pytest.raises(ValueError, match=r"at position 16 are not one whole page"):  # counted from the query's start
+        cache.insert(SEQ + [90, 91, 92, 93], torch.cat([tree_slots, own[:4].flip(0)]))
     with pytest.raises(ValueError, match="device_indices for only"):
         cache.insert(SEQ[:4], own)
     with pytest.raises(ValueError, match="token_ids must be integers"):
