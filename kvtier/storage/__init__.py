@@ -51,6 +51,10 @@ class StorageBackend:
 
     name = ""
     config_class: type = object
+    # True where the client spreads one get_into over threads of its own, so a second call in
+    # flight only competes with the first: the tier then reads a prefetch's batches one after
+    # another (verifying each while the next is read).
+    serial_reads = False
 
     def exists(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, are present: the length of the longest present

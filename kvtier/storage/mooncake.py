@@ -162,6 +162,7 @@ class MooncakeBackend(StorageBackend):
 
     name = "mooncake"
     config_class = MooncakeConfig
+    serial_reads = True  # two batches in flight: get 0.92x of the raw client (quartiles 0.76-1.03), one: 0.97x (0.93-1.01); 2-core CPU
 
     def __init__(self, config: MooncakeConfig):
         if not isinstance(config, MooncakeConfig):

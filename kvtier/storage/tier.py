@@ -39,6 +39,26 @@ logger = logging.getLogger("kvtier")
 READ_AHEAD = 2  # batches a prefetch reads ahead (its buffers: 3 x batch_pages blobs); 1 left the file store's readers idle at each batch's end
 
 
+class _Turns:
+    """Lets its callers through one at a time, in the order of their numbers (0, 1, ...): the
+    batches of one read from a backend with ``serial_reads``. Batches are submitted in order to
+    a FIFO pool, so the holder of each number has started before the next one waits for it."""
+
+    def __init__(self):
+        self._cv, self._next = threading.Condition(), 0
+
+    @contextlib.contextmanager
+    def of(self, k: int):
+        with self._cv:
+            self._cv.wait_for(lambda: self._next == k)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._next += 1
+                self._cv.notify_all()
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """How the storage tier behaves; checked once, never mutated.
@@ -129,16 +149,14 @@ class StorageTier:
         if not isinstance(config, TierConfig):
             raise ValueError(f"config must be a TierConfig, got {type(config).__name__}")
         self.backend, self.config = backend, config
-        self.codec = PageCodec(salt)
-        self.salt = salt
+        self.codec, self.salt = PageCodec(salt), salt
         self.read_rate, self.write_rate = Rate(), Rate()
         self.metrics = StorageMetrics(self._state)
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._spare: list[np.ndarray] = []  # blob buffers to reuse (touched already: no page faults)
         self._down_since: float | None = None
-        self._next_probe = 0.0
-        self._probing = False
+        self._next_probe, self._probing = 0.0, False
         self._saves = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-save")
         self._loads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-load")
         self._fetches = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-fetch")
@@ -239,10 +257,8 @@ class StorageTier:
 
     def close(self) -> None:
         """Finish queued work, then close the store."""
-        self._saves.shutdown(wait=True)
-        self._loads.shutdown(wait=True)
-        self._fetches.shutdown(wait=True)
-        self._workers.shutdown(wait=True)
+        for pool in (self._saves, self._loads, self._fetches, self._workers):
+            pool.shutdown(wait=True)
         self.backend.close()
 
     # -- saves -----------------------------------------------------------------------------------
@@ -320,10 +336,13 @@ class StorageTier:
         buffers = self._take_buffers(slots * b if keys else 0)
         spans = [(i, min(i + b, len(keys))) for i in range(0, len(keys), b)]
 
+        turns = _Turns() if self.backend.serial_reads else None
+
         def fetch(k: int):
             i, j = spans[k]
             blobs = buffers[(k % slots) * b : (k % slots) * b + j - i]
-            return self._fetches.submit(self._fetch_checked, keys[i:j], parents[i:j], blobs), blobs
+            turn = turns.of(k) if turns is not None else contextlib.nullcontext()
+            return self._fetches.submit(self._fetch_checked, keys[i:j], parents[i:j], blobs, turn), blobs
         pending = collections.deque(fetch(k) for k in range(min(READ_AHEAD, len(spans))))
         try:
             for k, (i, _) in enumerate(spans):
@@ -336,15 +355,17 @@ class StorageTier:
             wait([f for f, _ in pending])
             self._give_buffers(buffers, queued=False)
 
-    def _fetch_checked(self, keys, parents, blobs) -> tuple[list[int], list]:
+    def _fetch_checked(self, keys, parents, blobs, turn) -> tuple[list[int], list]:
         """Read and verify one batch: on the backend's reading threads where it offers
-        ``get_into_checked`` (each blob verified while still in cache), else a page per worker."""
+        ``get_into_checked`` (each blob verified while still in cache), else a page per worker
+        once ``turn`` (a context) lets the read through."""
         views = [memoryview(x) for x in blobs]
         if self._reads_checked:
             pairs = self.backend.get_into_checked(
                 keys, views, lambda i, n, checksum: self._check(keys[i], parents[i], blobs[i], n, checksum))
             return [n for n, _ in pairs], [why for _, why in pairs]
-        lengths = self.backend.get_into(keys, views)
+        with turn:
+            lengths = self.backend.get_into(keys, views)
         return lengths, list(self._workers.map(self._check, keys, parents, blobs, lengths))
 
     def _read(self, handle: PrefetchHandle, keys, parents, host_pool, pages) -> None:

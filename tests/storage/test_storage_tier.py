@@ -3,10 +3,14 @@ backpressure, cancelled prefetches, metrics, and its argument checks."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
-from kvtier.storage.tier import StorageTier, TierConfig
+from kvtier.storage.file import FileBackend
+from kvtier.storage.tier import READ_AHEAD, StorageTier, TierConfig
 from storage_testlib import GatedFileBackend, canonical_page, chain, file_tier, salt_of, slots_of, small_pools
 
 
@@ -147,3 +151,43 @@ def test_bad_calls_are_refused_before_anything_is_queued(tmp_path):
     with pytest.raises(ValueError, match="StorageBackend"):
         StorageTier(object(), salt_of(host))
     assert tier.metrics.snapshot()["pending_bytes"] == 0 and tier.backend.usage().pages == 0
+
+
+class CountingFileBackend(FileBackend):
+    """A file store read through plain ``get_into`` (no ``get_into_checked``), each read held a
+    moment; it records the order of the reads and the most that overlapped."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.lock, self.active, self.most, self.firsts = threading.Lock(), 0, 0, []
+
+    def get_into(self, keys, buffers):
+        with self.lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+            self.firsts.append(keys[0])
+        try:
+            time.sleep(0.02)  # a second read in flight would overlap this one
+            return super().get_into(keys, buffers)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+class SerialFileBackend(CountingFileBackend):
+    serial_reads = True
+
+
+@pytest.mark.parametrize("backend, most", [(SerialFileBackend, 1), (CountingFileBackend, READ_AHEAD)])
+def test_a_serial_reads_backend_gets_one_batch_at_a_time_in_order(tmp_path, backend, most):
+    _, (src, dst) = small_pools("mla", ("page_first", "page_first"), page_size=2, pages=16)
+    tier = file_tier(tmp_path, src, tier=TierConfig(batch_pages=2, io_threads=4), backend=backend)
+    keys = chain(8)
+    assert tier.save(keys, None, src, slots_of(range(8), 2)) == 8 and tier.flush(10)
+    h = tier.prefetch(keys, dst, slots_of(range(8, 16), 2))
+    assert h.wait(10) == 8 and h.outcome == "complete"
+    assert [canonical_page(dst, 8 + p) for p in range(8)] == [canonical_page(src, p) for p in range(8)]
+    assert tier.backend.most == most
+    if backend.serial_reads:
+        assert tier.backend.firsts == tier.keys(keys)[::2]
+    tier.close()
