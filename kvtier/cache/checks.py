@@ -129,8 +129,12 @@ class PageRuns:
             raise ValueError(f"{n} indices is not a whole number of pages of {page_size} tokens")
         if not whole and page_size > 1:
             firsts = slots[::page_size]
-            if len(firsts) and firsts.min() >= 0 and firsts.max() < size and not (firsts % page_size).any():
-                return PageRuns(firsts // page_size)
+            pages = firsts // page_size
+            if len(pages) and one_run(pages):  # a run's first page is its least, its last its greatest
+                if firsts[0] >= 0 and firsts[-1] < size and not (firsts % page_size).any():
+                    return PageRuns(pages, [0], [int(pages[0])])
+            elif len(firsts) and firsts.min() >= 0 and firsts.max() < size and not (firsts % page_size).any():
+                return PageRuns(pages)
         if n and one_run(slots):  # as an allocator hands them out: one comparison pass, no index arrays
             return PageRuns._one(slots, page_size, size, base)
         starts = _run_starts(slots)

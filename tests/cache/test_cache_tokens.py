@@ -140,6 +140,24 @@ def test_page_runs_match_brute_force(slots, ps, ordered):
         assert tail.runs is None or [p for _, f, n in tail.runs for p in range(f, f + n)] == pages[k:]
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(-1, 10), st.sampled_from([0, 0, 0, 1])), max_size=12),
+       st.sampled_from([2, 4]), st.booleans())
+def test_unchecked_page_runs_read_each_page_first_slot(pairs, ps, run):
+    if run:  # consecutive pages, as an allocator hands them out
+        pairs = [(pairs[0][0] + i, off) for i, (_, off) in enumerate(pairs)] if pairs else []
+    firsts = [p * ps + off for p, off in pairs]
+    arr = np.repeat(np.array(firsts, dtype=np.int64), ps)  # only each page's first slot is read
+    if not all(0 <= f < 40 and f % ps == 0 for f in firsts):
+        with pytest.raises(ValueError):
+            PageRuns.of_slots(arr, ps, 40, whole=False)
+        return
+    runs = PageRuns.of_slots(arr, ps, 40, whole=False)
+    pages = [f // ps for f in firsts]
+    assert runs.pages.tolist() == pages
+    assert runs.runs is None or [p for _, f, n in runs.runs for p in range(f, f + n)] == pages
+
+
 def test_many_runs_take_the_gather_path():
     pages = np.arange(0, 4 * (MAX_RUNS + 1), 2)
     runs = PageRuns(pages)
