@@ -118,7 +118,7 @@ class PageRuns:
             self.runs = [(p, f, e - p) for p, f, e in zip(starts, firsts, starts[1:] + [len(pages)])]
 
     @staticmethod
-    def of_slots(slots: np.ndarray, page_size: int, size: int, whole: bool = True, base: int = 0) -> "PageRuns":
+    def of_slots(slots: np.ndarray, page_size: int, size: int, whole: bool = True, base: int = 0) -> PageRuns:
         """The pages of slots of whole pages (each page's ``page_size`` slots in order; at page 1
         the slots themselves); ``ValueError`` naming the first slot out of range or the first
         position (counted from ``base``) that does not start a whole page. One pass over the
@@ -271,21 +271,40 @@ def claim_device_pool(device_pool, cache) -> None:
     device_pool._kvtier_cache = weakref.ref(cache)
 
 
-def check_insert_pages(path, partial, head: PageRuns, new: PageRuns, owner: np.ndarray, page_size: int) -> None:
-    """An insert's pages against the tree it walked (``path`` and ``partial``,
-    :meth:`~.radix.RadixTree.walk`): ``head`` for the query's pages the tree holds, ``new`` for
-    the rest (the new leaf's). Every page is the caller's (marked :data:`~.tiers.REQUEST` in
-    ``owner``) or the tree's own page at that very position, and none is named twice;
-    ``ValueError`` otherwise."""
-    held = [n.device if n.device is not None else np.full(len(n) // page_size, -1) for n in path]
+def held_pages(path, partial, page_size: int) -> tuple[np.ndarray, bool]:
+    """The device pages along a walk (``path`` and ``partial``, :meth:`~.radix.RadixTree.walk`;
+    -1 where a node holds none on the device), and whether every node there holds its own."""
+    nodes = path + [partial[0]] if partial is not None else path
+    held = [n.device if n.device is not None else np.full(len(n) // page_size, -1) for n in nodes]
     if partial is not None:
-        child, k = partial
-        whole = child.device if child.device is not None else np.full(len(child) // page_size, -1)
-        held.append(whole[: k // page_size])
-    existing = held[0] if len(held) == 1 else np.concatenate(held) if held else head.pages[:0]
-    differ = head.pages != existing
-    dup = head.pages[differ] if differ.any() else head.pages[:0]
-    mine = PageRuns(np.concatenate([dup, new.pages])) if len(dup) else new
+        held[-1] = held[-1][: partial[1] // page_size]
+    pages = held[0] if len(held) == 1 else np.concatenate(held) if held else np.empty(0, np.int32)
+    return pages, all(n.device is not None for n in nodes)
+
+
+def same_slots(slots: np.ndarray, pages: np.ndarray, page_size: int, whole: bool = True) -> bool:
+    """Whether ``slots`` are exactly the slots of ``pages`` (``whole=False``: each page's first)."""
+    if len(slots) != len(pages) * page_size:
+        return False
+    if page_size == 1:
+        return bool((slots == pages).all())
+    base = pages.astype(np.int64) * page_size
+    if not whole:
+        return bool((slots[::page_size] == base).all())
+    return bool((slots.reshape(-1, page_size) == base[:, None] + np.arange(page_size)).all())
+
+
+def check_insert_pages(existing: np.ndarray, head: PageRuns | None, new: PageRuns, owner: np.ndarray,
+                       page_size: int) -> None:
+    """An insert's pages: ``head`` for the query's pages over the tree's ``existing`` ones
+    (:func:`held_pages`; None where they are those very pages), ``new`` for the rest (the new
+    leaf's). Every page is the caller's (marked :data:`~.tiers.REQUEST` in ``owner``) or the
+    tree's own page at that very position, and none is named twice; ``ValueError`` otherwise."""
+    dup = None
+    if head is not None:
+        differ = head.pages != existing
+        dup = head.pages[differ] if differ.any() else None
+    mine = PageRuns(np.concatenate([dup, new.pages])) if dup is not None else new
     bad = mine.first_not(owner, _REQUEST)
     if bad is not None:
         raise ValueError(f"device page {bad} (slots {bad * page_size}..) is not the caller's: insert takes "
@@ -293,3 +312,21 @@ def check_insert_pages(path, partial, head: PageRuns, new: PageRuns, owner: np.n
     twice = mine.repeated()
     if twice is not None:
         raise ValueError(f"device_indices names a page twice (page {twice}); give each page once")
+
+
+def insert_pages(path, partial, slots: np.ndarray, held: int, owner: np.ndarray, page_size: int, size: int,
+                 whole: bool) -> tuple[PageRuns | None, PageRuns]:
+    """An insert's ``slots`` (whole pages) checked against the tree it walked (``path`` and
+    ``partial``, covering its first ``held`` tokens): ``(head, new)``, the pages over the tree's
+    (None where they are the tree's own) and the new leaf's, each checked apart (the new ones are
+    usually one run, and the tree's its own slots given back). ``ValueError`` as
+    :meth:`PageRuns.of_slots` and :func:`check_insert_pages` raise it."""
+    existing, all_held = held_pages(path, partial, page_size)
+    try:
+        head = None if all_held and same_slots(slots[:held], existing, page_size, whole) else \
+            PageRuns.of_slots(slots[:held], page_size, size, whole)
+        new = PageRuns.of_slots(slots[held:], page_size, size, whole, held)
+    except ValueError as e:
+        raise ValueError(f"device_indices: {e}") from None
+    check_insert_pages(existing, head, new, owner, page_size)
+    return head, new

@@ -36,8 +36,8 @@ from .metrics import CacheMetrics, cache_state
 from .policy import make_policies
 from .radix import Node, RadixTree, load_tokens, ready_prefix, stored
 from ..validate import check_namespace, is_int
-from .checks import (PageRuns, as_slots, as_tokens, check_insert_pages, check_node, check_pools, check_storage,
-                     claim_device_pool, pages_of)
+from .checks import (PageRuns, as_slots, as_tokens, check_node, check_pools, check_storage, claim_device_pool,
+                     insert_pages, pages_of)
 from .storage import Advice, CacheStorage, advise_match
 from .tiers import TREE, Tiers, concat, tokens_of
 from .types import LoadResult, MatchResult, StorageHook
@@ -241,14 +241,13 @@ class HiCache:
             try:
                 path, matched, partial = self.tree.walk(root, tokens, n_full)
                 held = matched + (partial[1] if partial is not None else 0)
-                # The pages the tree holds and the new ones apart: the new ones are usually one run.
-                head = self._slot_pages(slots[:held], "device_indices", self.config.check_slots)
-                new = self._slot_pages(slots[held:n_full], "device_indices", self.config.check_slots, held)
-                check_insert_pages(path, partial, head, new, self.tiers.owner, self.page_size)
+                head, new = insert_pages(path, partial, slots[:n_full], held, self.tiers.owner, self.page_size,
+                                         self.tiers.device_alloc.size, self.config.check_slots)
                 if partial is not None:
                     path.append(self.tree.split(*partial))
                     matched += partial[1]
-                self._absorb(path, head.pages)
+                if head is not None:
+                    self._absorb(path, head.pages)
                 if matched < n_full:
                     self._add_leaf(path[-1] if path else root, stored(tokens, matched, n_full), new)
                 else:
@@ -492,8 +491,8 @@ class HiCache:
         if hot:
             self._optional_backup(hot)
 
-    def _slot_pages(self, slots, name: str, whole: bool = True, base: int = 0) -> PageRuns:
+    def _slot_pages(self, slots, name: str) -> PageRuns:
         try:
-            return PageRuns.of_slots(slots, self.page_size, self.tiers.device_alloc.size, whole, base)
+            return PageRuns.of_slots(slots, self.page_size, self.tiers.device_alloc.size)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None

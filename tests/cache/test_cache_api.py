@@ -217,6 +217,8 @@ def test_misuse_raises_before_changing_anything():
         cache.insert(other, tree_slots)                      # the tree's slots, but for other tokens
     with pytest.raises(ValueError, match=r"at position 16 are not one whole page"):  # counted from the query's start
         cache.insert(SEQ + [90, 91, 92, 93], torch.cat([tree_slots, own[:4].flip(0)]))
+    with pytest.raises(ValueError, match=r"at position 4 are not one whole page"):  # in the part the tree holds
+        cache.insert(SEQ, torch.cat([tree_slots[:4], tree_slots[4:8].flip(0), tree_slots[8:]]))
     with pytest.raises(ValueError, match="device_indices for only"):
         cache.insert(SEQ[:4], own)
     with pytest.raises(ValueError, match="token_ids must be integers"):
