@@ -367,7 +367,7 @@ def pages_to_tokens(pages: np.ndarray, page_size: int) -> np.ndarray:
     """Page ids -> page-expanded token indices."""
     if page_size == 1:
         return pages.astype(np.int64, copy=True)
-    return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)
+    return (pages.astype(np.int64)[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)
 
 
 def whole_page_rows(tokens: np.ndarray, page_size: int) -> np.ndarray:
