@@ -109,6 +109,23 @@ def _seconds(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy, all) clock ticks of every CPU since boot, from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)   # less idle and iowait
+
+
+def _seconds_busy(fn) -> tuple[float, float | None]:
+    """Seconds of ``fn``, and the share of the machine's CPU time that was busy meanwhile (every
+    process: a store's servers on the same machine count)."""
+    a, s, b = _cpu_ticks(), _seconds(fn), _cpu_ticks()
+    return s, (b[0] - a[0]) / (b[1] - a[1]) if a and b and b[1] > a[1] else None
+
+
 def drop_page_cache(root: str) -> None:
     """Write every file under ``root`` back and drop it from the page cache."""
     for path, _, files in os.walk(root):
@@ -153,10 +170,10 @@ def one_repeat(case: Case, cold: bool, flip: bool, with_tier: bool) -> dict[str,
 
     def raw_side():
         case.raw.delete(case.keys)
-        raw["put"] = _seconds(lambda: case.raw.put(case.keys, case.blobs))
+        raw["put"] = _seconds_busy(lambda: case.raw.put(case.keys, case.blobs))
         if cold:
             drop_page_cache(case.workdir)
-        raw["get"] = _seconds(lambda: case.raw.get(case.keys, [memoryview(b) for b in case.buffers]))
+        raw["get"] = _seconds_busy(lambda: case.raw.get(case.keys, [memoryview(b) for b in case.buffers]))
 
     def kvtier_side():
         case.backend.delete(case.keys)
@@ -174,7 +191,7 @@ def one_repeat(case: Case, cold: bool, flip: bool, with_tier: bool) -> dict[str,
     for side in ((kvtier_side, raw_side) if flip else (raw_side, kvtier_side)):
         side()
     base = {"put": raw["put"], "get": raw["get"], "save": raw["put"], "prefetch": raw["get"]}
-    return {op: (out[op], base[op]) for op in out}
+    return {op: (out[op], *base[op]) for op in out}   # (kvtier s, raw s, the CPU busy during the raw op)
 
 
 def checksum_rows(case: Case, repeats: int) -> list[dict]:
@@ -198,12 +215,16 @@ def checksum_rows(case: Case, repeats: int) -> list[dict]:
 
 def _row(backend: str, op: str, case: Case, samples: list[dict], key: str, cold: bool) -> dict:
     """GB/s medians of each side, and the median of the ratios of samples taken back to back (a
-    machine whose speed drifts between repeats moves both sides of each ratio)."""
+    machine whose speed drifts between repeats moves both sides of each ratio); ``raw_cpu_busy``:
+    the median share of the machine's CPU busy while the raw side ran (None where not measured):
+    near 1, kvtier's checks compete with the store itself for the CPU."""
     gb = case.nbytes / 1e9
+    busy = [s[key][2] for s in samples if len(s[key]) > 2 and s[key][2] is not None]
     return {"backend": backend, "op": op, "page_bytes": case.codec.blob_bytes, "pages": case.pages,
             "gbps": round(statistics.median(gb / s[key][0] for s in samples), 3),
             "raw_gbps": round(statistics.median(gb / s[key][1] for s in samples), 3),
-            "ratio": round(statistics.median(s[key][1] / s[key][0] for s in samples), 3), "cold": cold}
+            "ratio": round(statistics.median(s[key][1] / s[key][0] for s in samples), 3), "cold": cold,
+            "raw_cpu_busy": round(statistics.median(busy), 2) if busy else None}
 
 
 def run(backends, workdir: str, model: str, page_sizes, pages: int, repeats: int, cold: bool, with_tier: bool,
@@ -233,10 +254,13 @@ def run(backends, workdir: str, model: str, page_sizes, pages: int, repeats: int
 
 def table(rows: list[dict]) -> str:
     w = max([len("backend")] + [len(r["backend"]) for r in rows]) + 2
-    lines = [f"{'backend':<{w}}{'op':<10}{'page':>10}{'pages':>7}{'GB/s':>9}{'raw GB/s':>10}{'ratio':>8}"]
+    lines = [f"{'backend':<{w}}{'op':<10}{'page':>10}{'pages':>7}{'GB/s':>9}{'raw GB/s':>10}{'ratio':>8}"
+             f"{'raw CPU':>9}"]
     for r in rows:
+        busy = r.get("raw_cpu_busy")
         lines.append(f"{r['backend']:<{w}}{r['op']:<10}{r['page_bytes'] / 2**20:>7.2f}MiB{r['pages']:>7}"
-                     f"{r['gbps']:>9.2f}{r['raw_gbps']:>10.2f}{r['ratio']:>7.2f}x")
+                     f"{r['gbps']:>9.2f}{r['raw_gbps']:>10.2f}{r['ratio']:>7.2f}x"
+                     f"{'-' if busy is None else f'{busy:.0%}':>9}")
     return "\n".join(lines)
 
 
