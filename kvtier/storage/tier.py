@@ -359,12 +359,12 @@ class StorageTier:
         """Read and verify one batch: on the backend's reading threads where it offers
         ``get_into_checked`` (each blob verified while still in cache), else a page per worker
         once ``turn`` (a context) lets the read through."""
-        views = [memoryview(x) for x in blobs]
-        if self._reads_checked:
-            pairs = self.backend.get_into_checked(
-                keys, views, lambda i, n, checksum: self._check(keys[i], parents[i], blobs[i], n, checksum))
-            return [n for n, _ in pairs], [why for _, why in pairs]
-        with turn:
+        with turn:  # entered first: a batch that fails still lets the next one through
+            views = [memoryview(x) for x in blobs]
+            if self._reads_checked:
+                pairs = self.backend.get_into_checked(
+                    keys, views, lambda i, n, checksum: self._check(keys[i], parents[i], blobs[i], n, checksum))
+                return [n for n, _ in pairs], [why for _, why in pairs]
             lengths = self.backend.get_into(keys, views)
         return lengths, list(self._workers.map(self._check, keys, parents, blobs, lengths))
 

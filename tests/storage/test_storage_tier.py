@@ -191,3 +191,22 @@ def test_a_serial_reads_backend_gets_one_batch_at_a_time_in_order(tmp_path, back
     if backend.serial_reads:
         assert tier.backend.firsts == tier.keys(keys)[::2]
     tier.close()
+
+
+class FailingSerialFileBackend(SerialFileBackend):
+    def get_into(self, keys, buffers):
+        if not self.firsts:
+            self.firsts.append(keys[0])
+            raise OSError("the store went away mid-read")
+        return super().get_into(keys, buffers)
+
+
+def test_a_failed_serial_read_lets_the_batches_behind_it_through(tmp_path):
+    _, (src, dst) = small_pools("mla", ("page_first", "page_first"), page_size=2, pages=16)
+    tier = file_tier(tmp_path, src, tier=TierConfig(batch_pages=2, io_threads=4), backend=FailingSerialFileBackend)
+    keys = chain(8)
+    assert tier.save(keys, None, src, slots_of(range(8), 2)) == 8 and tier.flush(10)
+    h = tier.prefetch(keys, dst, slots_of(range(8, 16), 2))
+    assert h.wait(10) == 0 and h.outcome == "failed"    # not a hang: the batches behind the failed one ran
+    assert not tier.healthy() and tier.backend.most == 1
+    tier.close()
