@@ -12,6 +12,7 @@ import weakref
 import numpy as np
 import torch
 
+from ..allocator import pages_to_tokens
 from ..storage.tier import StorageTier
 from ..transfer.slots import one_run
 from ..validate import require_readable
@@ -288,10 +289,9 @@ def same_slots(slots: np.ndarray, pages: np.ndarray, page_size: int, whole: bool
         return False
     if page_size == 1:
         return bool((slots == pages).all())
-    base = pages.astype(np.int64) * page_size
     if not whole:
-        return bool((slots[::page_size] == base).all())
-    return bool((slots.reshape(-1, page_size) == base[:, None] + np.arange(page_size)).all())
+        return bool((slots[::page_size] == pages.astype(np.int64) * page_size).all())
+    return bool((slots == pages_to_tokens(pages, page_size)).all())
 
 
 def check_insert_pages(existing: np.ndarray, head: PageRuns | None, new: PageRuns, owner: np.ndarray,
