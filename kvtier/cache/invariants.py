@@ -12,7 +12,7 @@ import numpy as np
 
 from ..validate import InvariantError
 from .inflight import BACKUP, LOAD
-from .radix import Node, RadixTree, page_key
+from .radix import Node, RadixTree, first_token, page_key
 from .tiers import FREE, REQUEST, TREE, concat
 
 
@@ -39,8 +39,10 @@ def check_tree(tree: RadixTree, nodes: list[Node]) -> None:
     ps = tree.page_size
     below: Counter = Counter()  # lock_ref each node's children hold
     for n in nodes:
-        if not n.alive or n.parent is None or n.parent.children.get(page_key(n.tokens, 0, ps)) is not n:
-            _fail(n, "is not linked into the tree under its first page")
+        if not n.alive or n.parent is None or n.parent.children.get(n.key) is not n or len(n) == 0 \
+                or n.key not in (first_token(n.tokens, 0), page_key(n.tokens, 0, ps)):
+            _fail(n, "is not linked into the tree under its first token or page")
+        _check_children(n, ps)
         keys = -1 if n.hashes is None else len(n.hashes)
         if len(n) == 0 or len(n) % ps or (n.hashes is not None and keys * ps != len(n)):
             _fail(n, f"holds {len(n)} tokens and {keys} chain keys for pages of {ps}")
@@ -58,10 +60,21 @@ def check_tree(tree: RadixTree, nodes: list[Node]) -> None:
         if n.dev_children != sum(c.device is not None for c in n.children.values()):
             _fail(n, f"counts {n.dev_children} children on the device")
         below[n.parent] += n.lock_ref
+    for root in tree.roots.values():
+        _check_children(root, ps)
     for n in nodes:
         if n.lock_ref != n.own_locks + below[n] or n.own_locks < 0:
             _fail(n, f"lock_ref {n.lock_ref} is not its own {n.own_locks} locks plus its children's {below[n]}")
     _check_counters(tree, nodes)
+
+
+def _check_children(n: Node, ps: int) -> None:
+    """Siblings differ in their first page; ``spill`` counts the children keyed by theirs."""
+    pages = {page_key(c.tokens, 0, ps) for c in n.children.values()}
+    if len(pages) != len(n.children):
+        _fail(n, f"has {len(n.children)} children but {len(pages)} distinct first pages")
+    if n.spill != sum(type(k) is tuple for k in n.children):
+        _fail(n, f"counts {n.spill} children keyed by their first page")
 
 
 def _check_counters(tree: RadixTree, nodes: list[Node]) -> None:

@@ -10,8 +10,10 @@ token plus the int objects), one inserted from an array or tensor an int64 copy 
 token). A query of either form is compared a page run at a time, at C speed (list
 equality on slices, numpy comparison), converting only the part compared where the forms
 differ, and stopping at the first page that differs (:func:`same_pages`). A child is keyed
-in its parent by its first page as Python ints (:func:`page_key`: the token at page 1, a
-tuple of ``page_size`` ints above), which both forms give alike. Device page ids are int32
+in its parent by its first token as a Python int (:func:`first_token`), which both forms give
+alike; above page 1, a child whose first token a sibling already holds is keyed by its whole
+first page instead (:func:`page_key`, a tuple of ints; the parent's ``spill`` counts those),
+and a lookup compares the first token's child's first page before taking it. Device page ids are int32
 (a pool has fewer than 2^31 pages); host page ids are as the host allocator gives them.
 
 Shape of the tree (invariants the controller keeps and the tests check):
@@ -43,6 +45,15 @@ _EMPTY = np.empty(0, dtype=np.int64)
 # Tokens compared per list slice: an early mismatch costs at most this much copying, and a
 # 24k-token hit from a list takes ~90 us in slices of 4,096 against ~75 us in one (2-core CPU).
 CHUNK_TOKENS = 4096
+# Arrays up to this many tokens are compared as bytes (1,024: 0.8 us against 3 us for ==); longer
+# ones with == (21,696: 7 us, where copying them out as bytes took 13-140 us). 2-core CPU.
+MEMCMP_TOKENS = 4096
+
+
+def first_token(tokens, pos: int) -> int:
+    """The token at ``pos`` as a Python int (a list's own int, or an array element's value)."""
+    t = tokens[pos]
+    return t if type(t) is int else int(t)
 
 
 def page_key(tokens, pos: int, page_size: int):
@@ -82,7 +93,7 @@ def same_pages(edge, e0: int, query, q0: int, n: int, page_size: int) -> int:
     equal; ``n`` is a whole number of pages. Either may be a list or an int64 array."""
     if type(edge) is not list and type(query) is not list:
         a, b = edge[e0 : e0 + n], query[q0 : q0 + n]
-        if a.tobytes() == b.tobytes():  # both int64: a memcmp, half a comparison's cost where equal
+        if n <= MEMCMP_TOKENS and a.tobytes() == b.tobytes():  # both int64: two small copies and a memcmp
             return n
         ne = a != b
         first = int(ne.argmax()) if n else 0
@@ -102,13 +113,14 @@ class Node:
     __slots__ = (
         "tokens", "key", "children", "parent", "namespace", "hashes",
         "device", "device_ready", "host", "host_ready", "dev_children",
-        "lock_ref", "own_locks", "last_access", "hits", "op", "alive", "owner", "from_storage",
+        "lock_ref", "own_locks", "last_access", "hits", "op", "alive", "owner", "from_storage", "spill",
     )
 
     def __init__(self, tokens, parent: Node | None, namespace: str, key=None):
         self.tokens = tokens          # a list or an int64 array (see the module's docstring)
-        self.key = key                # the key in the parent's children (page_key of the first page)
+        self.key = key                # the key in the parent's children: first_token, or page_key (a spill)
         self.children: dict = {}
+        self.spill = 0                # children keyed by page_key: a sibling holds their first token
         self.parent = parent
         self.namespace = namespace
         self.hashes: list[bytes] | None = None  # chain keys, one per page (a root: [seed]); None until needed
@@ -157,7 +169,7 @@ class RadixTree:
             node.alive = False
         for root in list(self.roots.values()):
             root.children.clear()
-            root.dev_children = 0
+            root.dev_children = root.spill = 0
             self.drop_if_empty(root)
         # Insertion-ordered sets of the nodes holding pages in each tier.
         self.device_nodes: dict[Node, None] = {}
@@ -202,18 +214,23 @@ class RadixTree:
         ps = self.page_size
         n = len(tokens) if limit is None else limit
         n -= n % ps
+        skip = 1 if ps == 1 else 0  # tokens a first-token key vouches for: the whole page at page 1
         node, pos, path = root, 0, []
         while pos < n:
-            child = node.children.get(page_key(tokens, pos, ps))
-            if child is None:
+            child, same = node.children.get(first_token(tokens, pos)), 0
+            if child is not None:
+                m = min(len(child.tokens), n - pos)
+                same = skip + same_pages(child.tokens, skip, tokens, pos + skip, m - skip, ps)
+            if same == 0 and node.spill:  # that child starts with another page: look for a spilled one
+                child = node.children.get(page_key(tokens, pos, ps))
+                if child is not None:
+                    m = min(len(child.tokens), n - pos)
+                    same = ps + same_pages(child.tokens, ps, tokens, pos + ps, m - ps, ps)
+            if same == 0:
                 break
-            edge = child.tokens
-            m = min(len(edge), n - pos)
-            if m > ps:  # the first page is equal: it was the key
-                same = ps + same_pages(edge, ps, tokens, pos + ps, m - ps, ps)
-                if same < m:
-                    return path, pos, (child, same)
-            if m < len(edge):
+            if same < m:
+                return path, pos, (child, same)
+            if m < len(child.tokens):
                 return path, pos, (child, m)
             path.append(child)
             pos += m
@@ -258,14 +275,17 @@ class RadixTree:
             self.locked_nodes += 1
         node.parent.children[node.key] = upper
         node.tokens, node.parent = node.tokens[k:], upper
-        node.key = page_key(node.tokens, 0, ps)
+        node.key = first_token(node.tokens, 0)  # upper's only child
         upper.children[node.key] = node
         return upper
 
     def add_leaf(self, parent: Node, tokens) -> Node:
         """A new child of ``parent`` holding ``tokens`` (kept as given: see :func:`stored`), with
         no residency yet (the caller sets it)."""
-        key = page_key(tokens, 0, self.page_size)
+        key = first_token(tokens, 0)
+        if key in parent.children:  # a sibling starts with that token (and, the walk found, another page)
+            key = page_key(tokens, 0, self.page_size)
+            parent.spill += 1
         assert key not in parent.children and len(tokens) % self.page_size == 0 and len(tokens)
         node = Node(tokens, parent, parent.namespace, key)
         parent.children[key] = node
@@ -277,6 +297,7 @@ class RadixTree:
         assert node.lock_ref == 0 and node.op is None and node.parent is not None
         parent = node.parent
         del parent.children[node.key]
+        parent.spill -= type(node.key) is tuple
         node.parent = None
         node.alive = False
         self.drop_if_empty(parent)

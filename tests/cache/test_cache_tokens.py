@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from cache_testlib import make_cache, serve
 from kvtier.cache.checks import MAX_RUNS, PageRuns, as_tokens
-from kvtier.cache.radix import CHUNK_TOKENS, RadixTree, page_key, same_pages, stored
+from kvtier.cache.radix import CHUNK_TOKENS, MEMCMP_TOKENS, RadixTree, first_token, page_key, same_pages, stored
 
 FORMS = [list, lambda xs: np.array(xs, dtype=np.int64)]
 
@@ -38,6 +38,7 @@ def test_same_pages_matches_brute_force_in_every_form(a, data, ps, fa, fb):
 
 
 def test_same_pages_across_chunks():
+    """Long runs: lists compared a chunk at a time, arrays as bytes up to MEMCMP_TOKENS and with == past it."""
     a = list(range(3 * CHUNK_TOKENS + 64))
     for at in (0, 5, CHUNK_TOKENS - 1, CHUNK_TOKENS, 2 * CHUNK_TOKENS + 7, len(a) - 1):
         b = list(a)
@@ -47,6 +48,10 @@ def test_same_pages_across_chunks():
             for fa in FORMS:
                 assert same_pages(fa(a), 0, b, 0, n, ps) == at // ps * ps
                 assert same_pages(b, 0, fa(a), 0, n, ps) == at // ps * ps
+            arr_a, arr_b = np.array(a, dtype=np.int64), np.array(b, dtype=np.int64)  # as bytes, and with ==
+            for length in (MEMCMP_TOKENS // ps * ps, n):
+                want = at // ps * ps if at < length else length
+                assert same_pages(arr_a, 0, arr_b, 0, length, ps) == want == same_pages(arr_b, 0, arr_a, 0, length, ps)
 
 
 @given(st.lists(st.integers(0, 2**40), min_size=4, max_size=12), st.sampled_from([1, 2, 4]))
@@ -54,6 +59,7 @@ def test_page_keys_and_stored_tokens_agree_across_forms(xs, ps):
     arr = np.array(xs, dtype=np.int64)
     assert page_key(xs, 0, ps) == page_key(arr, 0, ps) == page_key(torch.tensor(xs).numpy(), 0, ps)
     assert hash(page_key(xs, 0, ps)) == hash(page_key(arr, 0, ps))
+    assert first_token(xs, 1) == first_token(arr, 1) == xs[1] and type(first_token(arr, 1)) is int
     kept = stored(arr, 1, 3)
     arr[1] = -5                       # the caller's array changes; the kept copy does not
     assert kept.tolist() == xs[1:3] and stored(xs, 1, 3) == xs[1:3]
@@ -81,6 +87,27 @@ def test_walk_over_a_mixed_tree_finds_the_longest_common_prefix(seqs, query, qfo
     path, matched, partial = tree.walk(root, FORMS[qform](query))
     got = matched + (partial[1] if partial else 0)
     assert got == max([brute_same(s, query, ps) for s in inserted] or [0])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_siblings_that_share_a_first_token_are_found_and_removed_apart(form):
+    """Above page 1 a child is keyed by its first token; siblings starting with the same token are
+    keyed by their first page (spilled), found by either form, and stay found as others go."""
+    tree = RadixTree(4)
+    root = tree.root("ns", create=True)
+    seqs = [[7, 1, 1, 1, 5, 5, 5, 5], [7, 2, 2, 2, 6, 6, 6, 6], [7, 3, 3, 3], [8, 1, 1, 1]]
+    leaves = [tree.add_leaf(root, stored(form(s), 0, len(s))) for s in seqs]
+    assert [type(n.key) for n in leaves] == [int, tuple, tuple, int] and root.spill == 2
+    for seq in seqs:
+        for query in (seq, np.array(seq, dtype=np.int64)):
+            assert tree.walk(root, query)[1] == len(seq)
+    assert tree.walk(root, [7, 4, 4, 4])[1] == 0 and tree.walk(root, [7, 1, 1, 1, 5, 5, 5, 9])[2][1] == 4
+    tree.remove(leaves[0])                      # the token's own key goes; the spilled siblings stay found
+    assert tree.walk(root, seqs[1])[1] == 8 and tree.walk(root, seqs[2])[1] == 4 and tree.walk(root, seqs[0])[1] == 0
+    upper = tree.split(leaves[1], 4)            # the upper part keeps the spilled key; below it, a token key
+    assert upper.key == (7, 2, 2, 2) and leaves[1].key == 6 and root.spill == 2
+    back = tree.add_leaf(root, form(seqs[0]))   # the free token key is taken again
+    assert back.key == 7 and tree.walk(root, seqs[0])[1] == 8 and tree.walk(root, seqs[1])[1] == 8
 
 
 def test_a_cache_serves_lists_arrays_and_tensors_alike():
