@@ -363,11 +363,25 @@ def _as_int_array(values, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+# Offsets 0..page_size-1 repeated, per page size, for pages_to_tokens up to this many tokens a call
+# (a repeat and one add: 10 us for 384 pages of 64 against 16 us broadcasting, 2-core CPU).
+_OFFSETS: dict[int, np.ndarray] = {}
+OFFSET_TOKENS = 1 << 20
+
+
 def pages_to_tokens(pages: np.ndarray, page_size: int) -> np.ndarray:
     """Page ids -> page-expanded token indices."""
     if page_size == 1:
         return pages.astype(np.int64, copy=True)
-    return (pages.astype(np.int64)[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)
+    n = len(pages) * page_size
+    offsets = _OFFSETS.get(page_size)
+    if offsets is None or len(offsets) < n:
+        if n > OFFSET_TOKENS:
+            return (pages.astype(np.int64)[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)
+        offsets = _OFFSETS[page_size] = np.tile(np.arange(page_size, dtype=np.int64), max(n, 1 << 15) // page_size + 1)
+    out = np.repeat(pages.astype(np.int64) * page_size, page_size)
+    out += offsets[:n]
+    return out
 
 
 def whole_page_rows(tokens: np.ndarray, page_size: int) -> np.ndarray:

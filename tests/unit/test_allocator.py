@@ -210,3 +210,23 @@ def test_alloc_returns_none_when_full_and_state_is_kept():
     assert a.available_size() == 0
     a.free(first)
     assert a.available_size() == 32
+
+
+@settings(max_examples=60, deadline=None)
+@given(pages=st.lists(st.integers(0, 2**31 - 1), max_size=300), page_size=st.integers(1, 300),
+       cache_tokens=st.sampled_from([64, 1 << 20]))
+def test_pages_to_tokens_expands_each_page_in_order(pages, page_size, cache_tokens):
+    """Each page p as p*page_size .. p*page_size+page_size-1, int64 (no overflow past 2^31 slots),
+    alike through the cached offsets and past them."""
+    import kvtier.allocator as allocator
+    saved = allocator.OFFSET_TOKENS, allocator._OFFSETS
+    allocator.OFFSET_TOKENS, allocator._OFFSETS = cache_tokens, {}
+    try:
+        arr = np.array(pages, dtype=np.int32)
+        got = allocator.pages_to_tokens(arr, page_size)
+        half = allocator.pages_to_tokens(arr[: len(arr) // 2], page_size)
+    finally:
+        allocator.OFFSET_TOKENS, allocator._OFFSETS = saved
+    assert got.dtype == np.int64
+    assert got.tolist() == [p * page_size + k for p in pages for k in range(page_size)]
+    assert half.tolist() == got[: len(arr) // 2 * page_size].tolist()
