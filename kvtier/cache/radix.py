@@ -39,6 +39,8 @@ Shape of the tree (invariants the controller keeps and the tests check):
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -51,9 +53,15 @@ MEMCMP_TOKENS = 4096
 
 
 def first_token(tokens, pos: int) -> int:
-    """The token at ``pos`` as a Python int (a list's own int, or an array element's value)."""
+    """The token at ``pos`` as a Python int (a list's own int, or an array element's value);
+    ``ValueError`` naming it where it is not an integer (a list is not checked whole)."""
     t = tokens[pos]
-    return t if type(t) is int else int(t)
+    if type(t) is int:
+        return t
+    try:
+        return operator.index(t)
+    except TypeError:
+        raise ValueError(f"token_ids must be integers, got {t!r} ({type(t).__name__}) at position {pos}") from None
 
 
 def page_key(tokens, pos: int, page_size: int):

@@ -137,6 +137,21 @@ def test_a_list_with_a_bad_value_inside_is_refused_when_its_key_is_computed():
         cache.page_hashes([1, 2.5, 3, 4])
 
 
+@pytest.mark.parametrize("bad", ["x", 2.5])
+def test_a_bad_value_where_the_walk_looks_up_a_child_is_refused_before_any_change(bad):
+    cache, *_ = make_cache(host_pages=0, page_size=2)
+    serve(cache, list(range(10, 18)))
+    query = list(range(10, 18)) + [bad, 1]
+    slots = cache.alloc_device(2)
+    for call in (lambda: cache.match_prefix(query),
+                 lambda: cache.insert(query, torch.cat([cache.match_prefix(query[:8]).device_indices, slots]))):
+        with pytest.raises(ValueError, match=f"token_ids must be integers, got {bad!r} .* at position 8"):
+            call()
+    assert cache.match_prefix(list(range(10, 18))).device_len == 8
+    cache.free_device(slots)
+    cache.check()
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 40), max_size=80), st.sampled_from([1, 2, 4]), st.booleans())
 def test_page_runs_match_brute_force(slots, ps, ordered):
