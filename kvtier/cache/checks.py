@@ -48,8 +48,9 @@ def as_tokens(token_ids):
 
     A list is taken to hold Python (or numpy) ints: only its first and last elements are
     checked here, since checking each costs more than an insert (a list of 32k ints: 160 us
-    to sum, 450 us to convert); a page that holds another value raises ``ValueError`` once its
-    chain key is computed. Arrays and tensors are checked by their dtype.
+    to sum, 450 us to convert); another value raises ``ValueError`` where a walk looks up a child
+    by it (a page's first token), or once its page's chain key is computed. Arrays and tensors
+    are checked by their dtype.
     """
     fast = _int64_view(token_ids)
     if fast is not None:
