@@ -13,8 +13,8 @@ differ, and stopping at the first page that differs (:func:`same_pages`). A chil
 in its parent by its first token as a Python int (:func:`first_token`), which both forms give
 alike; above page 1, a child whose first token a sibling already holds is keyed by its whole
 first page instead (:func:`page_key`, a tuple of ints; the parent's ``spill`` counts those),
-and a lookup compares the first token's child's first page before taking it. Device page ids are int32
-(a pool has fewer than 2^31 pages); host page ids are as the host allocator gives them.
+and a lookup compares the first token's child's first page before taking it. Device page ids
+are int32 (a pool has fewer than 2^31 pages); host page ids are as the host allocator gives.
 
 Shape of the tree (invariants the controller keeps and the tests check):
 
