@@ -439,7 +439,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 @click.option("--system", type=click.IntRange(min=0), help="Tokens of the system prompt every conversation starts "
               "with [default: 1/32 of --prompt, whole pages]")
 @click.option("--repeats", default=15, show_default=True, type=click.IntRange(min=1),
-              help="Timed calls per cell, median (15: every cell at or below SGLang's in 3 runs of 3; 7: in 4 of 6; "
+              help="Timed calls per cell, median (15: every cell at or below SGLang's in 8 runs of 9; 7: in 6 of 8; "
                    "2-core CPU).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--memory/--no-memory", default=True, show_default=True, help="Bytes per cached token of each tree.")
