@@ -67,8 +67,7 @@ def first_token(tokens, pos: int) -> int:
 def page_key(tokens, pos: int, page_size: int):
     """The key of the page at ``pos`` among its siblings: its token, or its tokens as a tuple."""
     if page_size == 1:
-        t = tokens[pos]
-        return t if type(t) is int else int(t)
+        return first_token(tokens, pos)
     page = tokens[pos : pos + page_size]
     return tuple(page) if type(page) is list else tuple(page.tolist())
 
