@@ -292,10 +292,10 @@ class RadixTree:
         key = first_token(tokens, 0)
         if key in parent.children:  # a sibling starts with that token (and, the walk found, another page)
             key = page_key(tokens, 0, self.page_size)
-            parent.spill += 1
         assert key not in parent.children and len(tokens) % self.page_size == 0 and len(tokens)
         node = Node(tokens, parent, parent.namespace, key)
         parent.children[key] = node
+        parent.spill += type(key) is tuple
         return node
 
     def remove(self, node: Node) -> None:
