@@ -104,7 +104,7 @@ class FileBackend(StorageBackend):
 
     def __init__(self, config: FileConfig):
         if not isinstance(config, FileConfig):
-            raise ValueError(f"config must be a FileConfig, got {type(config).__name__}")
+            raise TypeError(f"config must be a FileConfig, got {type(config).__name__}")
         self.config = config
         self.root = os.path.abspath(config.path)
         if os.path.exists(self.root) and not os.path.isdir(self.root):

@@ -144,10 +144,10 @@ class StorageTier:
 
     def __init__(self, backend: StorageBackend, salt: StorageSalt, config: TierConfig | None = None):
         if not isinstance(backend, StorageBackend):
-            raise ValueError(f"backend must be a kvtier.storage.StorageBackend, got {type(backend).__name__}")
+            raise TypeError(f"backend must be a kvtier.storage.StorageBackend, got {type(backend).__name__}")
         config = TierConfig() if config is None else config
         if not isinstance(config, TierConfig):
-            raise ValueError(f"config must be a TierConfig, got {type(config).__name__}")
+            raise TypeError(f"config must be a TierConfig or None, got {type(config).__name__}")
         self.backend, self.config = backend, config
         self.codec, self.salt = PageCodec(salt), salt
         self.read_rate, self.write_rate = Rate(), Rate()

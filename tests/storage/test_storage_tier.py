@@ -148,7 +148,7 @@ def test_bad_calls_are_refused_before_anything_is_queued(tmp_path):
         tier.save(chain(2), [None], host, slots_of([0, 1], 4))
     with pytest.raises(ValueError, match="chain_key"):
         tier.lookup([b""])
-    with pytest.raises(ValueError, match="StorageBackend"):
+    with pytest.raises(TypeError, match="backend must be a kvtier.storage.StorageBackend, got object"):
         StorageTier(object(), salt_of(host))
     assert tier.metrics.snapshot()["pending_bytes"] == 0 and tier.backend.usage().pages == 0
 
@@ -209,4 +209,20 @@ def test_a_failed_serial_read_lets_the_batches_behind_it_through(tmp_path):
     h = tier.prefetch(keys, dst, slots_of(range(8, 16), 2))
     assert h.wait(10) == 0 and h.outcome == "failed"    # not a hang: the batches behind the failed one ran
     assert not tier.healthy() and tier.backend.most == 1
+    tier.close()
+
+
+@pytest.mark.parametrize("name", ["file", "valkey", "valkey-cluster", "mooncake"])
+def test_every_backend_refuses_a_config_of_another_class_alike(name):
+    from kvtier.storage import backend_class
+    cls = backend_class(name)
+    with pytest.raises(TypeError, match=f"config must be a {cls.config_class.__name__}, got dict"):
+        cls({"path": "/tmp"})
+
+
+def test_the_tier_refuses_a_config_of_another_class(tmp_path):
+    _, (host,) = small_pools("mha", ("layer_first",), page_size=4, pages=4)
+    tier = file_tier(tmp_path, host)
+    with pytest.raises(TypeError, match="config must be a TierConfig or None, got dict"):
+        StorageTier(tier.backend, salt_of(host), {"io_threads": 2})
     tier.close()
