@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -64,8 +65,8 @@ class TierConfig:
     """How the storage tier behaves; checked once, never mutated.
 
     - ``io_threads``: threads for saves, as many again for prefetches (so reads never queue
-      behind a backlog of writes), as many for the store reads a prefetch runs a batch ahead, and
-      as many to verify pages and write them into host pages.
+      behind a backlog of writes), and as many for the store reads a prefetch runs a batch ahead;
+      pages are verified and written into host pages by a batch's pages at once, a core each.
     - ``max_pending_bytes``: blobs copied out by ``save`` and not yet written; a save that
       does not fit is dropped (counted), its pages recomputed if needed again.
     - ``batch_pages``: pages per backend read (a prefetch's batches, verified and written into
@@ -106,12 +107,9 @@ class PrefetchHandle:
     returns, nothing more is written into the slots (free or reuse them)."""
 
     def __init__(self, n_pages: int, deadline: float):
-        self.n_pages = n_pages
-        self.started = time.monotonic()
-        self.deadline = deadline
+        self.n_pages, self.deadline, self.started = n_pages, deadline, time.monotonic()
         self.outcome: str | None = None
-        self._ready = 0
-        self._cancelled = False
+        self._ready, self._cancelled = 0, False
         self._finished = threading.Event()
         self._write_lock = threading.Lock()  # held while pages are written into the host pool
 
@@ -160,7 +158,8 @@ class StorageTier:
         self._saves = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-save")
         self._loads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-load")
         self._fetches = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-fetch")
-        self._workers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-verify")
+        self._workers = ThreadPoolExecutor(max(config.io_threads, min(config.batch_pages, os.cpu_count() or 1)),
+                                           thread_name_prefix="kvtier-verify")
         self._reads_checked = _defined_together(type(backend), "get_into_checked", "get_into")
         self._idle = threading.Condition(self._lock)
         self._usage = Usage(0, None, 0)
