@@ -200,7 +200,7 @@ class StorageTier:
             return 0
         blobs = self._take_buffers(n)
         try:
-            sums = self.codec.gather(host_pool, pages[:n], [b[HEADER_BYTES:] for b in blobs])
+            sums = self.codec.gather(host_pool, pages[:n], [b[HEADER_BYTES:] for b in blobs], threads=self._workers)
         except BaseException:
             self._give_buffers(blobs, queued=True)
             raise

@@ -56,6 +56,23 @@ def test_a_page_encoded_in_one_layout_decodes_in_another_as_through_the_device_p
         assert torch.equal(after[mask], before[c.name][mask])
 
 
+
+@pytest.mark.parametrize("kind, layout", [(k, lay) for k, lays in KIND_LAYOUTS.items() for lay in lays])
+def test_a_gather_on_threads_copies_and_sums_as_one_on_the_calling_thread(monkeypatch, kind, layout):
+    from concurrent.futures import ThreadPoolExecutor
+    import kvtier.storage.format as fmt
+    _, (src,) = small_pools(kind, (layout,), page_size=4, pages=8, layers=3, seed=7)
+    codec = PageCodec(salt_of(src))
+    pages = [5, 0, 7, 2, 3]
+    alone = [np.empty(codec.payload_bytes, np.uint8) for _ in pages]
+    sums = codec.gather(src, pages, alone)
+    monkeypatch.setattr(fmt, "THREADED_BYTES", 0)   # these pages are small: thread them anyway
+    rows = [np.zeros(codec.payload_bytes, np.uint8) for _ in pages]
+    with ThreadPoolExecutor(3) as threads:
+        assert codec.gather(src, pages, rows, threads=threads) == sums
+        assert codec.gather(src, pages, rows, checksum=False, threads=threads) == []
+    assert [r.tobytes() for r in rows] == [a.tobytes() for a in alone] == [canonical_page(src, p) for p in pages]
+
 def test_the_canonical_order_is_the_device_pools_row_order():
     dev, (host,) = small_pools("mha", ("page_head",), page_size=4, pages=4, layers=3)
     slots = slots_of([2], 4)
