@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -265,8 +265,9 @@ class PageCodec:
         reading the pages again costs 25-30%. ``threads``: an executor to copy pages on, a page a
         task, where pages are at least :data:`THREADED_BYTES` (the copy and the checksum release the GIL)."""
         if threads is not None and len(pages) > 1 and self.payload_bytes >= THREADED_BYTES:
-            sums = threads.map(lambda page, row: self.gather(host_pool, [page], [row], checksum), pages, rows)
-            return [s[0] for s in sums] if checksum else []
+            tasks = [threads.submit(self.gather, host_pool, [p], [r], checksum) for p, r in zip(pages, rows)]
+            wait(tasks)   # every copy has ended before a failure is raised: none writes into a row after
+            return [s for t in tasks for s in t.result()]
         out = []
         views = self._pool_views(host_pool)
         for page, row in zip(pages, rows):

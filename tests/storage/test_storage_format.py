@@ -73,6 +73,25 @@ def test_a_gather_on_threads_copies_and_sums_as_one_on_the_calling_thread(monkey
         assert codec.gather(src, pages, rows, checksum=False, threads=threads) == []
     assert [r.tobytes() for r in rows] == [a.tobytes() for a in alone] == [canonical_page(src, p) for p in pages]
 
+
+def test_a_gather_on_threads_that_fails_raises_once_every_copy_has_ended(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+    import kvtier.storage.format as fmt
+    _, (src,) = small_pools("mha", ("page_first",), page_size=4, pages=8, layers=3)
+    codec = PageCodec(salt_of(src))
+    monkeypatch.setattr(fmt, "THREADED_BYTES", 0)
+    submitted = []
+
+    class Recording(ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            submitted.append(super().submit(*args, **kwargs))
+            return submitted[-1]
+    with Recording(2) as threads:
+        with pytest.raises(IndexError):
+            codec.gather(src, [1, 99, 2, 3], [np.empty(codec.payload_bytes, np.uint8) for _ in range(4)],
+                         threads=threads)
+        assert len(submitted) == 4 and all(f.done() for f in submitted)
+
 def test_the_canonical_order_is_the_device_pools_row_order():
     dev, (host,) = small_pools("mha", ("page_head",), page_size=4, pages=4, layers=3)
     slots = slots_of([2], 4)
