@@ -66,7 +66,7 @@ class TierConfig:
 
     - ``io_threads``: threads for saves, as many again for prefetches (so reads never queue
       behind a backlog of writes), and as many for the store reads a prefetch runs a batch ahead;
-      pages are verified and written into host pages by a batch's pages at once, a core each.
+      pages are verified, written into host pages, and copied out by a save, a core each.
     - ``max_pending_bytes``: blobs copied out by ``save`` and not yet written; a save that
       does not fit is dropped (counted), its pages recomputed if needed again.
     - ``batch_pages``: pages per backend read (a prefetch's batches, verified and written into

@@ -56,7 +56,6 @@ def test_a_page_encoded_in_one_layout_decodes_in_another_as_through_the_device_p
         assert torch.equal(after[mask], before[c.name][mask])
 
 
-
 @pytest.mark.parametrize("kind, layout", [(k, lay) for k, lays in KIND_LAYOUTS.items() for lay in lays])
 def test_a_gather_on_threads_copies_and_sums_as_one_on_the_calling_thread(monkeypatch, kind, layout):
     from concurrent.futures import ThreadPoolExecutor
@@ -91,6 +90,7 @@ def test_a_gather_on_threads_that_fails_raises_once_every_copy_has_ended(monkeyp
             codec.gather(src, [1, 99, 2, 3], [np.empty(codec.payload_bytes, np.uint8) for _ in range(4)],
                          threads=threads)
         assert len(submitted) == 4 and all(f.done() for f in submitted)
+
 
 def test_the_canonical_order_is_the_device_pools_row_order():
     dev, (host,) = small_pools("mha", ("page_head",), page_size=4, pages=4, layers=3)
