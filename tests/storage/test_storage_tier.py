@@ -226,3 +226,41 @@ def test_the_tier_refuses_a_config_of_another_class(tmp_path):
     with pytest.raises(TypeError, match="config must be a TierConfig or None, got dict"):
         StorageTier(tier.backend, salt_of(host), {"io_threads": 2})
     tier.close()
+
+
+def test_the_tiers_buffers_stay_within_the_documented_bound(tmp_path):
+    """Host memory beyond the pools (docs/configuration.md): saves' copies up to max_pending_bytes,
+    as much again kept for reuse, and io_threads x (READ_AHEAD + 1) x batch_pages blobs of prefetch
+    reads in flight. Measured by tracemalloc, which counts numpy's buffers, under concurrent
+    saves that overflow the queue and more prefetches than threads."""
+    import tracemalloc
+    _, (src, dst) = small_pools("mha", ("page_first", "page_first"), page_size=256, pages=64, layers=8)
+    blob = tier_blob(src)
+    cfg = TierConfig(max_pending_bytes=4 * blob, batch_pages=4, io_threads=2)
+    tier = file_tier(tmp_path, src, capacity_pages=256, tier=cfg)
+    keys = chain(16)
+    for i in range(0, 16, 4):
+        assert tier.save(keys[i : i + 4], None, src, slots_of(range(i, i + 4), 256)) == 4 and tier.flush(10)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        prefetches = [tier.prefetch(keys, dst, slots_of(range(16 * t, 16 * t + 16), 256)) for t in range(4)]
+
+        def saves(tag: int) -> None:
+            for r in range(6):
+                tier.save(chain(8, tag=10 * tag + r), None, src, slots_of(range(8 * tag, 8 * tag + 8), 256))
+        savers = [threading.Thread(target=saves, args=(t,)) for t in (1, 2)]
+        for t in savers:
+            t.start()
+        for t in savers:
+            t.join()
+        assert all(h.wait(30) == 16 for h in prefetches) and tier.flush(30)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    bound = (2 * 4 + cfg.io_threads * (READ_AHEAD + 1) * cfg.batch_pages) * blob
+    assert tier.metrics.snapshot()["save_dropped_pages_total.queue_full"] > 0   # the queue did overflow
+    assert blob * 8 < peak <= bound + blob // 2, (peak / blob, bound / blob)
+    for t in range(4):
+        assert [canonical_page(dst, 16 * t + p) for p in range(16)] == [canonical_page(src, p) for p in range(16)]
+    tier.close()
