@@ -56,6 +56,13 @@ class StorageBackend:
     # another (verifying each while the next is read).
     serial_reads = False
 
+    def _take_config(self, config) -> None:
+        """Keep ``config`` as ``self.config``; a config of another class than ``config_class`` is
+        refused (TypeError naming both) before anything is opened."""
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"config must be a {self.config_class.__name__}, got {type(config).__name__}")
+        self.config = config
+
     def exists(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, are present: the length of the longest present
         prefix of a key chain (0 if the first is missing). May stop at the first miss."""

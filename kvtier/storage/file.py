@@ -103,9 +103,7 @@ class FileBackend(StorageBackend):
     config_class = FileConfig
 
     def __init__(self, config: FileConfig):
-        if not isinstance(config, FileConfig):
-            raise TypeError(f"config must be a FileConfig, got {type(config).__name__}")
-        self.config = config
+        self._take_config(config)
         self.root = os.path.abspath(config.path)
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise ValueError(f"path {self.root!r} is a file; name a directory for the page store")

@@ -165,9 +165,7 @@ class MooncakeBackend(StorageBackend):
     serial_reads = True  # two batches in flight: get 0.92x of the raw client (quartiles 0.76-1.03), one: 0.97x (0.93-1.01); 2-core CPU
 
     def __init__(self, config: MooncakeConfig):
-        if not isinstance(config, MooncakeConfig):
-            raise TypeError(f"config must be a MooncakeConfig, got {type(config).__name__}")
-        self.config = config
+        self._take_config(config)
         self._lock = threading.Lock()
         self._store = None
         self._suspect = False

@@ -291,9 +291,7 @@ class ValkeyBackend(StorageBackend):
     config_class = ValkeyConfig
 
     def __init__(self, config: ValkeyConfig):
-        if not isinstance(config, ValkeyConfig):
-            raise TypeError(f"config must be a ValkeyConfig, got {type(config).__name__}")
-        self.config = config
+        self._take_config(config)
         self._prefix = config.key_prefix.encode()
         self._lock = threading.Lock()
         self._client = None

@@ -258,7 +258,7 @@ def test_the_tiers_buffers_stay_within_the_documented_bound(tmp_path):
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
-    bound = (2 * 4 + cfg.io_threads * (READ_AHEAD + 1) * cfg.batch_pages) * blob
+    bound = 2 * cfg.max_pending_bytes + cfg.io_threads * (READ_AHEAD + 1) * cfg.batch_pages * blob
     assert tier.metrics.snapshot()["save_dropped_pages_total.queue_full"] > 0   # the queue did overflow
     assert blob * 8 < peak <= bound + blob // 2, (peak / blob, bound / blob)
     for t in range(4):
