@@ -9,7 +9,7 @@ from kvtier import (
     DSATokenToKVPool, DSATokenToKVPoolHost, MHATokenToKVPool, MHATokenToKVPoolHost,
     MLATokenToKVPool, MLATokenToKVPoolHost,
 )
-from kvtier.memory import check_host_memory, host_memory
+from kvtier.memory import check_host_memory, host_memory, layer_objects_bytes
 from kvtier_testlib import fill_host_random, fill_random, host_snapshot, make_device_pool, make_host_pool
 
 
@@ -76,7 +76,9 @@ def test_too_large_a_pool_names_requested_and_available_gb_before_allocating():
         MHATokenToKVPoolHost(dev, 0, 0, 4, "layer_first", host_size_tokens=tokens, reserve_bytes=0)
     msg = str(err.value)
     assert "GB of host memory but only" in msg and "Shrink the pool" in msg and "KVTIER_HOST_RESERVE_GB" in msg
-    assert f"{tokens * dev.spec.bytes_per_token / 1e9:.2f} GB" in msg
+    # The pool asks for its data plus its per-layer objects (views, pointers, transfer parts).
+    requested = -(-tokens // 4) * 4 * dev.spec.bytes_per_token + layer_objects_bytes(32, len(dev.spec.components))
+    assert f"needs {requested / 1e9:.2f} GB" in msg
 
 
 def test_reserve_is_honoured():
