@@ -2,7 +2,7 @@
 
 from .config import EVICTION_POLICIES, PREFETCH_POLICIES, STORAGE_WRITES, WRITE_POLICIES, CacheConfig
 from .controller import HiCache, LoadResult, MatchResult, StorageHook
-from .storage import Advice
+from .policy import Advice
 from .types import LoadFailedError
 
 __all__ = [

@@ -38,7 +38,8 @@ from .radix import Node, RadixTree, load_tokens, ready_prefix, stored
 from ..validate import check_namespace, is_int
 from .checks import (PageRuns, as_slots, as_tokens, check_node, check_pools, check_storage, claim_device_pool,
                      insert_pages, pages_of)
-from .storage import Advice, CacheStorage, advise_match
+from .policy import Advice, advise_match
+from .storage import CacheStorage
 from .tiers import TREE, Tiers, concat, tokens_of
 from .types import LoadResult, MatchResult, StorageHook
 

@@ -1,4 +1,4 @@
-"""The storage (L3) tier composed with the tree, and the load-or-recompute advice over the tiers.
+"""The storage (L3) tier composed with the tree.
 
 :class:`CacheStorage` puts a :class:`~kvtier.storage.tier.StorageTier` behind the host tier, as
 :class:`~.tiers.Tiers` puts the host pool behind the device (the tree is never subclassed):
@@ -22,9 +22,8 @@
   between the lookup and the read, or one that fails its checks, ends the prefetch there: a
   miss, never garbage.
 
-The advice (:func:`advise`, :func:`storage_split`): bandwidths measured online against the
-caller's prefill estimate, for the host part of a match and for its storage part; of the latter,
-the prefix that pays is loaded and the rest recomputed.
+The storage part of the load-or-recompute advice (:meth:`CacheStorage.advise`) is the prefix
+that pays by :func:`.policy.storage_split`.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,102 +38,11 @@ from ..allocator import pages_to_tokens
 from ..spec import MHA
 from ..storage.tier import StorageTier
 from ..validate import is_int
+from .policy import Advice, storage_split
 from .radix import Node, stored
 from .types import MatchResult, StorageHook
 
 logger = logging.getLogger("kvtier")
-
-
-# -- load or recompute ------------------------------------------------------------------------
-
-class BandwidthMeter:
-    """EWMA of bytes per second for one direction; 0 until the first sample."""
-
-    def __init__(self, weight: float, prior_bps: float = 0.0):
-        self.weight = weight
-        self.bps = prior_bps
-        self.samples = 0
-
-    def add(self, nbytes: int, seconds: float) -> None:
-        if nbytes <= 0 or seconds <= 0:
-            return
-        rate = nbytes / seconds
-        self.bps = rate if self.samples == 0 else self.weight * rate + (1 - self.weight) * self.bps
-        self.samples += 1
-
-
-@dataclass(frozen=True)
-class Advice:
-    """Whether to call ``load_back`` (``load``), and for how much of the match.
-
-    The host part: ``host_tokens``, ``host_bytes``, ``load_seconds`` (None when no bandwidth has
-    been measured or assumed yet: then loading is advised, which measures it), against
-    ``recompute_seconds``. The storage part: ``storage_tokens`` of it to load (pass them to
-    ``load_back``; the rest is recomputed), at ``storage_bytes_per_second`` (0: not measured).
-    """
-
-    load: bool
-    host_tokens: int
-    host_bytes: int
-    load_seconds: float | None
-    recompute_seconds: float
-    load_bytes_per_second: float
-    storage_tokens: int = 0
-    storage_bytes_per_second: float = 0.0
-
-    @property
-    def decision(self) -> str:
-        return "load" if self.load else "recompute"
-
-
-def advise(host_tokens: int, bytes_per_token: int, meter: BandwidthMeter,
-           prefill_seconds_per_token: float, margin: float) -> Advice:
-    """Load ``host_tokens`` from the host, or recompute them (the host part of a match)."""
-    nbytes = host_tokens * bytes_per_token
-    recompute = host_tokens * prefill_seconds_per_token
-    if host_tokens == 0:
-        return Advice(False, 0, 0, 0.0, 0.0, meter.bps)
-    if meter.bps <= 0:
-        return Advice(True, host_tokens, nbytes, None, recompute, 0.0)
-    load = nbytes / meter.bps
-    return Advice(load <= margin * recompute, host_tokens, nbytes, load, recompute, meter.bps)
-
-
-def advise_match(match: MatchResult, prefill_seconds_per_token: float, meter: BandwidthMeter, token_bytes: int,
-                 config, metrics, storage: "CacheStorage | None") -> Advice:
-    """The advice for ``match``: its host part's (counted), then its storage part's split."""
-    v = prefill_seconds_per_token
-    if match.host_len and not match.host_only_len:
-        # Nothing to move: the host part is on the device behind a page another request is
-        # loading; load_back waits for that load, which recomputing would not beat.
-        a = Advice(True, 0, 0, 0.0, match.host_len * v, meter.bps)
-    else:
-        a = advise(match.host_only_len, token_bytes, meter, v, config.advisor_margin)
-        if a.host_tokens:
-            metrics.advice[a.decision].inc()
-    if storage is not None:
-        a = storage.advise(a, match, v, meter.bps, config.advisor_margin)
-    return a
-
-
-def storage_split(pages: int, arrived: int, page_tokens: int, page_bytes: int, load_bps: float,
-                  storage_bps: float, prefill_seconds_per_token: float, margin: float = 1.0) -> int:
-    """How many leading pages of a storage hit of ``pages`` to load; the rest are recomputed.
-
-    A page that has ``arrived`` on the host costs one host -> device load (``page_bytes`` at
-    ``load_bps``); one still in the store costs a read at ``storage_bps`` too. A page pays when
-    its cost is at most ``margin`` x recomputing its ``page_tokens``. Pages arrive in order, so
-    the answer is all of them (the rest pays), the ``arrived`` prefix (only that pays), or none.
-    An unmeasured bandwidth (0) counts as paying: loading measures it.
-    """
-    recompute = margin * page_tokens * prefill_seconds_per_token
-    to_device = page_bytes / load_bps if load_bps > 0 else 0.0
-    from_store = page_bytes / storage_bps if storage_bps > 0 else 0.0
-    if to_device > recompute:
-        return 0
-    if to_device + from_store <= recompute:
-        return pages
-    return min(arrived, pages)
 
 
 # -- prefetches in flight ----------------------------------------------------------------------

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..allocator import PageAllocator, pages_to_tokens
-from .storage import BandwidthMeter
+from .policy import BandwidthMeter
 from .inflight import BACKUP, LOAD, InFlight, Op, settle
 from .policy import Victims
 from .radix import Node, RadixTree

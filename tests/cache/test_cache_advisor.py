@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cache_testlib import make_cache, serve
-from kvtier.cache.storage import BandwidthMeter
+from kvtier.cache.policy import BandwidthMeter
 
 SEQ = list(range(40, 56))   # 16 tokens
 

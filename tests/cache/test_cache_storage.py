@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 
 from cache_testlib import kv_matches, kv_values, make_storage_cache, write_kv
 from kvtier.cache import CacheConfig, HiCache, StorageHook
-from kvtier.cache.storage import storage_split
+from kvtier.cache.policy import storage_split
 from kvtier.storage.tier import TierConfig
 
 SEQ = list(range(100, 140))   # 10 pages of 4
