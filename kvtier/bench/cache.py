@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 import types
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import click
 import numpy as np

@@ -48,6 +48,10 @@ class CacheConfig:
     - ``storage_write`` (with a storage tier): when host pages are saved to it, ``write_back``
       (as host eviction frees them) or ``write_through`` (as soon as their backup to the host
       has landed).
+    - ``storage_save_ahead``: under ``write_back``, the fraction of the host pool kept free or
+      saved: while fewer of its pages are free, the pages next in line for eviction are saved ahead
+      of it, as the tier's queue has room, so an eviction burst that size loses none to a full
+      queue (0: pages are saved only as eviction frees them).
     - ``storage_prefetch``: how long ``load_back`` waits for a match's prefetch from storage:
       ``best_effort`` (not at all: the pages arrived by then), ``wait_complete`` (until it is
       done) or ``timeout`` (until its deadline, from the page count and the measured read
@@ -70,6 +74,7 @@ class CacheConfig:
     bandwidth_ewma: float = 0.25
     advisor_margin: float = 1.0
     storage_write: str = "write_back"
+    storage_save_ahead: float = 0.25
     storage_prefetch: str = "timeout"
     storage_min_pages: int = 1
     max_inflight_prefetches: int = 16
@@ -94,6 +99,10 @@ class CacheConfig:
         if self.bandwidth_ewma > 1:
             raise ValueError(f"bandwidth_ewma must be in (0, 1], got {self.bandwidth_ewma!r}")
         _choice("storage_write", self.storage_write, STORAGE_WRITES)
+        _finite("storage_save_ahead", self.storage_save_ahead, low=0.0)
+        if self.storage_save_ahead > 1:
+            raise ValueError(f"storage_save_ahead must be in [0, 1] (a fraction of the host pool), "
+                             f"got {self.storage_save_ahead!r}")
         _choice("storage_prefetch", self.storage_prefetch, PREFETCH_POLICIES)
         require_positive_int("storage_min_pages", self.storage_min_pages)
         require_positive_int("max_inflight_prefetches", self.max_inflight_prefetches)

@@ -84,6 +84,8 @@ class CacheMetrics:
         bp = counter("backpressure", "Requests for device room refused", ["call"])
         self.backpressure = {c: bp.labels(call=c) for c in ("alloc_device", "load_back")}
         self.storage_offered_pages = counter("storage_offered_pages", "Host pages offered to the storage hook")
+        self.storage_saved_ahead_pages = counter("storage_saved_ahead_pages",
+                                                 "Host pages saved to storage ahead of their eviction (write_back)")
         self.storage_offer_failures = counter("storage_offer_failures",
                                               "Offers to the storage hook that raised (their pages freed all the same)")
         refused = counter("storage_prefetch_refused", "Storage hits not prefetched", ["reason"])

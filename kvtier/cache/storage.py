@@ -4,7 +4,9 @@
 :class:`~.tiers.Tiers` puts the host pool behind the device (the tree is never subclassed):
 
 - **writes.** Under ``storage_write="write_back"`` the host pages that eviction frees are saved
-  (it is the cache's :class:`~.types.StorageHook`); under ``write_through`` a page is saved as
+  (it is the cache's :class:`~.types.StorageHook`), and, while fewer than ``storage_save_ahead``
+  x the host pool's pages are free, the pages next in line for eviction are saved ahead of it as
+  the tier's queue has room (:meth:`CacheStorage.save_ahead`); under ``write_through`` a page is saved as
   soon as its backup to the host has landed. A save copies the pages out at once and the tier
   writes them in the background (a full queue drops the save and counts it). MLA and DSA pages,
   the same on every tensor-parallel rank, are written by rank 0 only; every rank reads them.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 
 import numpy as np
@@ -38,11 +41,15 @@ from ..allocator import pages_to_tokens
 from ..spec import MHA
 from ..storage.tier import StorageTier
 from ..validate import is_int
-from .policy import Advice, storage_split
+from .policy import Advice, Victims, storage_split
 from .radix import Node, stored
 from .types import MatchResult, StorageHook
 
 logger = logging.getLogger("kvtier")
+
+# A save-ahead pass walks every host node (O(nodes)): the next waits this many times as long as
+# the last took, so passes take at most 1/20 of the thread that polls.
+AHEAD_SPACING = 20
 
 
 # -- prefetches in flight ----------------------------------------------------------------------
@@ -74,17 +81,69 @@ class CacheStorage(StorageHook):
         self.writes = salt.spec.kind == MHA or salt.tp_rank == 0
         self.pending: dict[tuple[Node, bytes], Prefetch] = {}
         self.backlog: dict[Node, int] = {}  # write_through: node -> its trailing pages not saved yet
+        self.ahead = self.writes and config.storage_write == "write_back" and config.storage_save_ahead > 0
+        self.saved: set[bytes] = set()  # write_back: chain keys of host pages saved ahead of eviction
+        self._ahead_at = 0.0  # write_back: no save-ahead pass before this time.monotonic()
+        self._ahead_due = True  # write_back: the host tier changed since a pass found nothing to do
 
     # -- writes --------------------------------------------------------------------------------
 
     def offer(self, page_hashes: list[bytes], host_indices) -> None:
-        """Host eviction's pages: saved under ``write_back``."""
-        if self.writes and self.config.storage_write == "write_back":
-            self.tier.save(page_hashes, None, self.host_pool, host_indices)
+        """Host eviction's pages (one node's, in chain order): saved under ``write_back``, but for
+        those saved ahead."""
+        if not (self.writes and self.config.storage_write == "write_back"):
+            return
+        parents = None  # each page's parent is the chain key before it; the first one's is unknown
+        self._ahead_due = True
+        if self.saved:
+            fresh = [i for i, k in enumerate(page_hashes) if k not in self.saved]
+            self.saved.difference_update(page_hashes)
+            if len(fresh) < len(page_hashes):
+                parents = [page_hashes[i - 1] if i else None for i in fresh]
+                host_indices = np.asarray(host_indices).reshape(-1, self.ps)[fresh].reshape(-1)
+                page_hashes = [page_hashes[i] for i in fresh]
+        if page_hashes:
+            self.tier.save(page_hashes, parents, self.host_pool, host_indices)
+
+    def save_ahead(self) -> None:
+        """Under ``write_back``, while fewer than ``storage_save_ahead`` x the host pool's pages are
+        free: save the host pages next in line for eviction (in the eviction policy's order) that
+        are not saved yet, as far as the tier's queue has room, until that many pages are free or
+        saved. A burst of host eviction of that size then finds its pages saved instead of dropping
+        what the queue cannot take. A page counts as saved once queued (a write that fails later is
+        counted by the tier, not redone); eviction forgets it. A page read from the store counts as
+        saved. Passes are spaced (AHEAD_SPACING); after one that left nothing to do, the next waits
+        for a backup to land or an eviction."""
+        start = time.monotonic()
+        if not self._ahead_due or start < self._ahead_at:
+            return
+        alloc = self.host_pool.allocator
+        need = math.ceil(self.config.storage_save_ahead * alloc.num_pages) - alloc.available_pages()
+        room = self.tier.room_pages() if need > 0 else 0
+        if room <= 0:
+            return
+        if len(self.saved) > alloc.num_pages:  # keys of pages gone other than by eviction
+            self.saved.intersection_update(k for n in self.tree.host_nodes for k in self.keys.of_node(n))
+        victims = Victims(self.tiers.eviction.key, self.tree.host_nodes, self.tiers.host_evictable)
+        while need > 0 and room > 0 and (node := victims.pop()) is not None:
+            keys, parents = self._chain(node)
+            todo = [i for i, k in enumerate(keys) if k not in self.saved]
+            need -= len(keys) - len(todo)
+            todo = todo[: max(0, min(room, need))]
+            if not todo:
+                continue
+            queued = self.tier.save([keys[i] for i in todo], [parents[i] for i in todo], self.host_pool,
+                                    _slots(node.host[todo], self.ps))
+            self.saved.update(keys[i] for i in todo[:queued])
+            self.metrics.storage_saved_ahead_pages.inc(queued)
+            need, room = need - queued, room - queued if queued == len(todo) else 0
+        self._ahead_due = need > 0 and room <= 0  # the queue's room ran out first: go on when it frees
+        self._ahead_at = time.monotonic() + AHEAD_SPACING * (time.monotonic() - start)
 
     def backed_up(self, nodes: list[Node]) -> None:
         """Nodes whose backup to the host has landed: saved under ``write_through``, as much as the
         tier's queue takes now; the rest wait in the backlog (see :meth:`drain`)."""
+        self._ahead_due = True
         if not (self.writes and self.config.storage_write == "write_through"):
             return
         for n in nodes:
@@ -269,6 +328,8 @@ class CacheStorage(StorageHook):
         first = matched // self.ps
         leaf.hashes = list(pf.keys[first:ready])
         leaf.from_storage = True
+        if self.ahead:
+            self.saved.update(leaf.hashes)
         self.tree.set_host(leaf, pf.pages[first:ready], ready=True)
         self.tree.touch(self.tree.path_to(leaf), hit=False)
         return slice(first, ready)
@@ -299,6 +360,8 @@ class CacheStorage(StorageHook):
         their deadline."""
         if self.backlog:
             self.drain()
+        if self.ahead:
+            self.save_ahead()
         if not self.pending:
             return
         now = time.monotonic()
@@ -307,8 +370,10 @@ class CacheStorage(StorageHook):
                 self.settle(pf)
 
     def drop_all(self) -> None:
-        """Stop every prefetch in flight and free its pages (none joins the tree); forget the backlog."""
+        """Stop every prefetch in flight and free its pages (none joins the tree); forget the backlog
+        and the pages saved ahead."""
         self.backlog.clear()
+        self.saved.clear()
         for pf in list(self.pending.values()):
             pf.handle.cancel()
             pf.handle = _Stopped()

@@ -139,6 +139,56 @@ def test_write_back_saves_only_what_host_eviction_frees(tmp_path):
     assert tier.lookup(keys[8:]) == 2 and tier.lookup(keys) == 0   # the two leaf pages went first
 
 
+SEQS = [list(range(1000 * s, 1000 * s + 16)) for s in range(1, 5)]   # four prompts of 4 pages
+
+
+@pytest.mark.parametrize("ahead, dropped", [(0.25, 0), (0.0, 2)])
+def test_write_back_saves_ahead_what_a_burst_of_eviction_frees(tmp_path, ahead, dropped):
+    """A full host tier under write_back saves the pages next in line for eviction while its queue
+    (2 pages here) has room, so evicting a quarter of the host in one burst loses none of them;
+    with storage_save_ahead=0 the same burst drops what the queue cannot take."""
+    from kvtier.storage.format import PageCodec
+    blob = PageCodec(make_storage_cache(tmp_path / "probe")[-1].salt).blob_bytes
+    cache, *_, tier = make_storage_cache(tmp_path / "s", storage_save_ahead=ahead,
+                                         tier_config=TierConfig(max_pending_bytes=2 * blob, batch_pages=1))
+    for seq in SEQS:
+        put(cache, seq)
+    deadline = time.monotonic() + 10
+    while (cache.metrics.snapshot()["storage_saved_ahead_pages_total"] < 4 * (ahead > 0)
+           and time.monotonic() < deadline):
+        cache.poll()
+        tier.flush(5)
+        time.sleep(0.002)
+    assert cache.host_pool.allocator.available_pages() == 0 and tier.flush(10)
+    assert tier.metrics.snapshot()["written_pages_total"] == 4 * (ahead > 0)   # no more than needed
+    assert tier.lookup(cache.page_hashes(SEQS[1])) == 0
+    cache.evict_device(10**6)
+    assert cache.evict_host(16) == 16   # the least recently used prompt's pages: SEQS[0]
+    assert cache.flush(10)
+    snap = tier.metrics.snapshot()
+    assert snap["save_dropped_pages_total.queue_full"] == dropped
+    assert tier.lookup(cache.page_hashes(SEQS[0])) == 4 - dropped
+    assert snap["written_pages_total"] == 4 - dropped   # saved ahead, not written again at eviction
+    assert not cache.storage.saved
+    cache.check()
+
+
+def test_pages_read_from_the_store_are_not_saved_again_when_evicted(tmp_path):
+    cache, *_, tier = make_storage_cache(tmp_path, storage_prefetch="wait_complete")
+    to_storage_only(cache, SEQ)
+    before = tier.metrics.snapshot()
+    m = cache.match_prefix(SEQ, lock=True)
+    r = load(cache, m)
+    assert_bytes(cache, r, SEQ)
+    cache.unlock(r.node)
+    cache.evict_device(10**6)
+    assert cache.evict_host(10**6) == 40 and cache.flush(10)
+    after = tier.metrics.snapshot()
+    for key in ("written_pages_total", "save_skipped_pages_total", "save_dropped_pages_total.queue_full"):
+        assert after[key] == before[key], key   # not even copied out to be found stored
+    assert tier.lookup(cache.page_hashes(SEQ)) == 10 and not cache.storage.saved
+
+
 def test_only_the_rank_0_writes_mla_pages_and_every_rank_reads_them(tmp_path):
     writer, *_ = make_storage_cache(tmp_path, "mla", tp=(0, 2))
     to_storage_only(writer, SEQ)
@@ -343,6 +393,10 @@ def test_bad_storage_settings_are_refused_before_anything_is_built(tmp_path):
     for field, value, words in (("storage_write", "sometimes", "storage_write"),
                                 ("storage_prefetch", "never", "storage_prefetch"),
                                 ("storage_min_pages", 0, "storage_min_pages"),
+                                ("storage_save_ahead", -0.1, "storage_save_ahead"),
+                                ("storage_save_ahead", 1.5, r"storage_save_ahead must be in \[0, 1\]"),
+                                ("storage_save_ahead", float("nan"), "storage_save_ahead"),
+                                ("storage_save_ahead", "all", "storage_save_ahead"),
                                 ("max_inflight_prefetches", -1, "max_inflight_prefetches")):
         with pytest.raises(ValueError, match=words):
             CacheConfig(page_size=4, **{field: value})

@@ -6,7 +6,7 @@ all or part of the storage hit; compute; insert; unlock), aborts, evictions of b
 save to storage under write-back), held transfers completed in random order, polls, flushes,
 reads that stall, pages damaged on disk, the store's directory removed and made again, loads that
 fail, and clear(), over every kind, write and prefetch policy, with a store of a few pages (it
-evicts). Checked after every step (and by ``HiCache.check()``, which covers the prefetches in
+evicts), saving ahead of host eviction or not. Checked after every step (and by ``HiCache.check()``, which covers the prefetches in
 flight: their host pages and the locks on the nodes they continue):
 
 - every device-ready cached page, and every prefix a request reads after load-back (storage
@@ -49,11 +49,11 @@ class Request:
 
 class StorageCacheMachine(RuleBasedStateMachine):
     @initialize(kind_layout=st.sampled_from(KINDS_LAYOUTS), page_size=st.sampled_from([1, 2, 4]),
-                write=st.sampled_from(["write_back", "write_through"]),
+                write=st.sampled_from(["write_back", "write_through"]), ahead=st.sampled_from([0.0, 0.5, 1.0]),
                 policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
                 dev_pages=st.integers(5, 10), host_pages=st.integers(2, 8), store_pages=st.integers(3, 40),
                 seed=st.integers(0, 2**16))
-    def setup(self, kind_layout, page_size, write, policy, dev_pages, host_pages, store_pages, seed):
+    def setup(self, kind_layout, page_size, write, ahead, policy, dev_pages, host_pages, store_pages, seed):
         kind, layout = kind_layout
         ps = page_size if kind != "dsa" else max(page_size, 2)
         self.ps, self.rng, self.policy = ps, random.Random(seed), policy
@@ -64,7 +64,7 @@ class StorageCacheMachine(RuleBasedStateMachine):
                          health_interval_s=0.02, batch_pages=2)
         self.cache, self.dev, self.host, self.engine, self.tier = make_storage_cache(
             self.store_dir, kind, layout, ps, dev_pages, max(host_pages, 2), store_pages, held=True, tier_config=cfg,
-            storage_write=write, storage_prefetch=policy, max_inflight_backups=3, max_inflight_loads=2,
+            storage_write=write, storage_save_ahead=ahead, storage_prefetch=policy, max_inflight_backups=3, max_inflight_loads=2,
             max_inflight_prefetches=2)
         self.gate = self.tier.backend.open_gate
         self.dev_initial = self.cache.tiers.device_alloc.available_pages()
