@@ -146,7 +146,7 @@ def test_bench_flags_fail_before_any_work(tmp_path):
     runner = CliRunner()
     for args, match in ((["bench", "ttft", "--model", "tiny", "--page-size", "0"], "'--page-size': 0 is not in"),
                         (["bench", "ttft", "--model", "tiny", "--repeats", "0"], "'--repeats': 0 is not in"),
-                        (["bench", "ttft", "--model", "tiny", "--io-backends", "kernel"], "--io-backends"),
+                        (["bench", "ttft", "--model", "tiny", "--device", "cpu", "--io-backends", "kernel"], "--io-backends"),
                         (["bench", "transfer", "--page-size", "0"], "'--page-size': 0 is not in"),
                         (["bench", "transfer", "--backend", "foo"], "unknown backend 'foo'"),
                         (["bench", "alloc", "--json", str(tmp_path)], "is a directory"),
