@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -134,16 +135,17 @@ class StorageLink:
     storage format's header (key, salt, checksum) and verified on every read, under a salt of
     the pool's shape, ``model_id`` and ``fingerprint`` (what else the bytes depend on).
 
-    ``save`` copies pages out at once (they may be reused on return) and writes them in the
+    ``tier_config``: the :class:`~kvtier.storage.tier.TierConfig` (None: its defaults). ``save`` copies pages out at once (they may be reused on return) and writes them in the
     background; ``prefetch`` reads one page into a host page, verified before a byte lands;
     a page that fails is deleted from the store, so it is recomputed and stored again."""
 
-    def __init__(self, mover: BlockMover, backend, model_id: str, fingerprint: str):
+    def __init__(self, mover: BlockMover, backend, model_id: str, fingerprint: str, tier_config=None):
         from ..storage.format import StorageSalt
         from ..storage.tier import StorageTier
 
         self.host, self.page_size = mover.host, mover.host.page_size
-        self.tier = StorageTier(backend, StorageSalt(self.host.spec, self.page_size, model_id, fingerprint))
+        salt = StorageSalt(self.host.spec, self.page_size, model_id, fingerprint)
+        self.tier = StorageTier(backend, salt, tier_config)
 
     def _slots(self, pages) -> np.ndarray:
         return host_slots(pages, 0, len(pages) * self.page_size, self.page_size)
@@ -154,6 +156,10 @@ class StorageLink:
 
     def holds(self, key: bytes) -> bool:
         return self.tier.lookup([key]) == 1
+
+    def room(self) -> int:
+        """Pages a ``save`` queues now without dropping any."""
+        return self.tier.room_pages()
 
     def prefetch(self, key: bytes, page: int):
         """A :class:`~kvtier.storage.tier.PrefetchHandle` reading ``key`` into host ``page``."""
@@ -216,13 +222,19 @@ class HostDirectory:
     :class:`StorageLink`), :meth:`find` reads a host miss the store holds into a host page
     (``pending`` until verified; a page failing its checks is a miss, deleted and counted);
     keys reach storage when evicted (``write_back``), once stored (``write_through``), and at
-    :meth:`flush`. :meth:`reset` forgets every key (storage keeps its pages). Counts in
+    :meth:`flush`; what a full queue turned away is handed over again as it drains
+    (``write_through``), and under ``write_back``, while fewer than ``save_ahead`` of the pages are
+    free, the keys next in line for eviction are saved ahead of it (:meth:`poll`). :meth:`reset` forgets every key (storage keeps its pages). Counts in
     ``counters`` (:data:`COUNTERS`, under ``prefix``). One thread (the engine's scheduler) calls it.
     """
 
     def __init__(self, num_pages: int, eviction: str = "lru", write_policy: str = "write_back", store=None,
-                 prefix: str = "kvtier_host_"):
+                 prefix: str = "kvtier_host_", save_ahead: float = 0.25):
+        if isinstance(save_ahead, bool) or not isinstance(save_ahead, (int, float)) or not 0 <= save_ahead <= 1:
+            raise ValueError(f"save_ahead must be a fraction of the host pages in [0, 1], got {save_ahead!r}")
         self.allocator = PageAllocator(num_pages, 1)
+        self.save_ahead = save_ahead
+        self._unsaved_due, self._unsaved_at = False, 0.0  # a pass over the keys storage lacks: wanted, and when
         self.policy = EVICTION[eviction]()
         self.write_back, self.store = write_policy == "write_back", store
         self.chunks: OrderedDict[bytes, Chunk] = OrderedDict()  # least recently used first
@@ -291,6 +303,7 @@ class HostDirectory:
         if victims is None:
             return None
         self._save([k for k in victims if not self.chunks[k].saved] if self.write_back else [])
+        self._unsaved_due |= self.write_back
         self.allocator.free_pages([self.chunks.pop(k).page for k in victims])
         self.counters.inc("evicted_chunks", len(victims))
         pages = self.allocator.alloc_pages(n)
@@ -319,7 +332,9 @@ class HostDirectory:
             else:
                 self.allocator.free_pages([self.chunks.pop(key).page])
         self.counters.inc("stored_chunks", len(done))
-        if not self.write_back:
+        if self.write_back:
+            self._unsaved_due = True
+        else:
             self._save(done)
         return done
 
@@ -328,6 +343,7 @@ class HostDirectory:
             return
         queued = self.store.save(keys, [self.chunks[k].page for k in keys])  # the rest dropped: queue full
         self.counters.inc("storage_saved_pages", queued)
+        self._unsaved_due |= queued < len(keys)
         for k in keys[:queued]:
             self.chunks[k].saved = True
 
@@ -342,7 +358,10 @@ class HostDirectory:
         return "pending"
 
     def poll(self) -> None:
-        """Finish the storage reads that are done (or past their deadline: cancelled)."""
+        """Finish the storage reads that are done (or past their deadline: cancelled); hand keys
+        storage lacks to it as its queue has room (:meth:`_save_unsaved`)."""
+        if self._unsaved_due and self.store is not None:
+            self._save_unsaved()
         for key, handle in list(self._fetching.items()):
             late = not handle.done() and time.monotonic() > handle.deadline
             if not (handle.done() or late):
@@ -358,6 +377,32 @@ class HostDirectory:
                 self.counters.inc("storage_missed_pages")
                 for reason, n in self.store.rejected().items():
                     self.counters.set_total("storage_rejected_pages", n, reason)
+
+    def _save_unsaved(self) -> None:
+        """Save ready keys storage lacks, least recently used first, while its queue has room:
+        under ``write_through`` all of them (a full queue turned them away as they were stored);
+        under ``write_back`` until ``save_ahead`` x the pages are free or saved. A pass walks the
+        keys: the next waits 20 times as long as the last took (at most 1/20 of the thread)."""
+        start = time.monotonic()
+        if start < self._unsaved_at:
+            return
+        want = len(self.chunks)
+        if self.write_back:
+            want = math.ceil(self.save_ahead * self.allocator.num_pages) - self.allocator.available_pages()
+        room = self.store.room() if want > 0 else 0
+        if room <= 0:
+            return
+        todo = []
+        for key, c in self.chunks.items():
+            if want <= 0 or len(todo) >= room:
+                break
+            if c.ready:
+                want -= 1
+                if not c.saved:
+                    todo.append(key)
+        self._save(todo)
+        self._unsaved_due = len(todo) >= room > 0 and want > 0  # the queue's room ran out first
+        self._unsaved_at = time.monotonic() + 20 * (time.monotonic() - start)
 
     @property
     def reading(self) -> bool:

@@ -12,6 +12,8 @@ import torch
 from prometheus_client import generate_latest
 
 from kvtier.integrations import BlockMover, HostDirectory, StorageLink, host_slots, open_store
+from kvtier.storage.format import PageCodec, StorageSalt
+from kvtier.storage.tier import TierConfig
 from vllm_testlib import vllm_kv_cache
 
 
@@ -72,11 +74,15 @@ def test_counters_reach_prometheus_and_their_increase_is_taken_once():
 
 # -- the storage tier behind the host ------------------------------------------------------------
 
-def _tier(tmp_path, seed=0, write_policy="write_back", pages=4):
+def _tier(tmp_path, seed=0, write_policy="write_back", pages=4, queue_pages=None, save_ahead=0.25):
     buf, views = vllm_kv_cache(blocks=16, seed=seed)
     mover = BlockMover(views, 1, pages)
-    link = StorageLink(mover, open_store("file", str(tmp_path / "store"), 0.01), "tiny-llama", "salt")
-    return buf, mover, HostDirectory(pages, write_policy=write_policy, store=link)
+    config = None
+    if queue_pages:
+        blob = PageCodec(StorageSalt(mover.host.spec, 1, "tiny-llama", "salt")).blob_bytes
+        config = TierConfig(max_pending_bytes=queue_pages * blob, batch_pages=1)
+    link = StorageLink(mover, open_store("file", str(tmp_path / "store"), 0.01), "tiny-llama", "salt", config)
+    return buf, mover, HostDirectory(pages, write_policy=write_policy, store=link, save_ahead=save_ahead)
 
 
 def _until_settled(d: HostDirectory, key: bytes) -> str:
@@ -137,3 +143,41 @@ def test_a_page_corrupted_on_disk_is_a_counted_miss_and_deleted(tmp_path):
     assert d2.find(keys(1)[0]) == "miss"  # deleted: not read again
     d2.close()
     mover2.close()
+
+
+def _files(tmp_path) -> int:
+    return len(list((tmp_path / "store").rglob("*.kvp")))
+
+
+def _poll_until(d: HostDirectory, done) -> None:
+    deadline = time.monotonic() + 30
+    while not done():
+        assert time.monotonic() < deadline
+        d.store.tier.flush(10)
+        d.poll()
+        time.sleep(0.005)
+
+
+def test_write_through_hands_over_what_a_full_queue_turned_away_as_it_drains(tmp_path):
+    buf, mover, d = _tier(tmp_path, write_policy="write_through", pages=8, queue_pages=2)
+    _store_blocks(mover, d, [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6])  # 2 queued, 4 turned away
+    assert d.store.tier.metrics.snapshot()["save_dropped_pages_total.queue_full"] == 4
+    _poll_until(d, lambda: _files(tmp_path) == 6)
+    assert all(c.saved for c in d.chunks.values())
+    d.close()
+    mover.close()
+
+
+@pytest.mark.parametrize("save_ahead, on_disk", [(0.5, 4), (0.0, 2)])
+def test_write_back_saves_ahead_so_a_burst_of_eviction_loses_nothing(tmp_path, save_ahead, on_disk):
+    buf, mover, d = _tier(tmp_path, pages=8, queue_pages=2, save_ahead=save_ahead)
+    _store_blocks(mover, d, list(range(1, 9)), list(range(8)))  # the host is full
+    if save_ahead:
+        _poll_until(d, lambda: _files(tmp_path) == 4)  # the 4 next in line for eviction, 2 at a time
+        assert [c.saved for c in d.chunks.values()] == [True] * 4 + [False] * 4
+    _store_blocks(mover, d, [9, 10, 11, 12], [8, 9, 10, 11])  # evicts 1-4 at once; the queue takes 2
+    d.store.tier.flush(10)
+    assert _files(tmp_path) == on_disk
+    assert d.store.tier.metrics.snapshot()["save_dropped_pages_total.queue_full"] == 4 - on_disk
+    d.close()
+    mover.close()
