@@ -48,7 +48,8 @@ from .types import MatchResult, StorageHook
 logger = logging.getLogger("kvtier")
 
 # A save-ahead pass walks every host node (O(nodes)): the next waits this many times as long as
-# the last took, so passes take at most 1/20 of the thread that polls.
+# the last one's walk took (its saves not counted: eviction would copy the same pages out), so
+# walks take at most 1/20 of the thread that polls.
 AHEAD_SPACING = 20
 
 
@@ -125,6 +126,7 @@ class CacheStorage(StorageHook):
         if len(self.saved) > alloc.num_pages:  # keys of pages gone other than by eviction
             self.saved.intersection_update(k for n in self.tree.host_nodes for k in self.keys.of_node(n))
         victims = Victims(self.tiers.eviction.key, self.tree.host_nodes, self.tiers.host_evictable)
+        saving = 0.0
         while need > 0 and room > 0 and (node := victims.pop()) is not None:
             keys, parents = self._chain(node)
             todo = [i for i, k in enumerate(keys) if k not in self.saved]
@@ -132,13 +134,16 @@ class CacheStorage(StorageHook):
             todo = todo[: max(0, min(room, need))]
             if not todo:
                 continue
+            t0 = time.monotonic()
             queued = self.tier.save([keys[i] for i in todo], [parents[i] for i in todo], self.host_pool,
                                     _slots(node.host[todo], self.ps))
+            saving += time.monotonic() - t0
             self.saved.update(keys[i] for i in todo[:queued])
             self.metrics.storage_saved_ahead_pages.inc(queued)
             need, room = need - queued, room - queued if queued == len(todo) else 0
         self._ahead_due = need > 0 and room <= 0  # the queue's room ran out first: go on when it frees
-        self._ahead_at = time.monotonic() + AHEAD_SPACING * (time.monotonic() - start)
+        now = time.monotonic()
+        self._ahead_at = now + AHEAD_SPACING * (now - start - saving)
 
     def backed_up(self, nodes: list[Node]) -> None:
         """Nodes whose backup to the host has landed: saved under ``write_through``, as much as the

@@ -382,7 +382,7 @@ class HostDirectory:
         """Save ready keys storage lacks, least recently used first, while its queue has room:
         under ``write_through`` all of them (a full queue turned them away as they were stored);
         under ``write_back`` until ``save_ahead`` x the pages are free or saved. A pass walks the
-        keys: the next waits 20 times as long as the last took (at most 1/20 of the thread)."""
+        keys: the next waits 20 times as long as the walk took (at most 1/20 of the thread)."""
         start = time.monotonic()
         if start < self._unsaved_at:
             return
@@ -400,9 +400,10 @@ class HostDirectory:
                 want -= 1
                 if not c.saved:
                     todo.append(key)
+        walked = time.monotonic()
         self._save(todo)
         self._unsaved_due = len(todo) >= room > 0 and want > 0  # the queue's room ran out first
-        self._unsaved_at = time.monotonic() + 20 * (time.monotonic() - start)
+        self._unsaved_at = time.monotonic() + 20 * (walked - start)
 
     @property
     def reading(self) -> bool:
