@@ -71,8 +71,8 @@ class DirectBackend(Backend):
 
 
 # Below this many bytes per run on average, one indexed copy (in wide elements) beats a copy per
-# run on the CPU (2-core CI-class machine, the two timed in turn: 64 KiB runs 3.2-5.9 GB/s indexed
-# against 2.5-4.8 per run; 128 KiB runs 2.5-4.1 against 3.9-5.5).
+# run on the CPU (2 cores, both timed in turn: 3.2-5.9 GB/s against 2.5-4.8 for 64 KiB a run,
+# 2.5-4.1 against 3.9-5.5 for 128 KiB).
 _MIN_RUN_BYTES = 128 << 10
 
 
