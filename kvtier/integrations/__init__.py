@@ -135,8 +135,9 @@ class StorageLink:
     storage format's header (key, salt, checksum) and verified on every read, under a salt of
     the pool's shape, ``model_id`` and ``fingerprint`` (what else the bytes depend on).
 
-    ``tier_config``: the :class:`~kvtier.storage.tier.TierConfig` (None: its defaults). ``save`` copies pages out at once (they may be reused on return) and writes them in the
-    background; ``prefetch`` reads one page into a host page, verified before a byte lands;
+    ``tier_config``: the :class:`~kvtier.storage.tier.TierConfig` (None: its defaults). ``save``
+    copies pages out at once (they may be reused on return) and writes them in the background;
+    ``prefetch`` reads one page into a host page, verified before a byte lands;
     a page that fails is deleted from the store, so it is recomputed and stored again."""
 
     def __init__(self, mover: BlockMover, backend, model_id: str, fingerprint: str, tier_config=None):
@@ -224,8 +225,9 @@ class HostDirectory:
     keys reach storage when evicted (``write_back``), once stored (``write_through``), and at
     :meth:`flush`; what a full queue turned away is handed over again as it drains
     (``write_through``), and under ``write_back``, while fewer than ``save_ahead`` of the pages are
-    free, the keys next in line for eviction are saved ahead of it (:meth:`poll`). :meth:`reset` forgets every key (storage keeps its pages). Counts in
-    ``counters`` (:data:`COUNTERS`, under ``prefix``). One thread (the engine's scheduler) calls it.
+    free, the keys next in line for eviction are saved ahead of it (:meth:`poll`). :meth:`reset`
+    forgets every key (storage keeps its pages). Counts in ``counters`` (:data:`COUNTERS`, under
+    ``prefix``). One thread (the engine's scheduler) calls it.
     """
 
     def __init__(self, num_pages: int, eviction: str = "lru", write_policy: str = "write_back", store=None,
