@@ -39,14 +39,16 @@ class TransferPart:
     def layer_num(self) -> int:
         return len(self.device_layers)
 
-    def host_layer_pages(self, layer: int) -> torch.Tensor:
-        """``(pages, page_size, n_chunks, chunk_bytes)`` view of one layer on the host."""
-        pl = self.host
+    def host_layer_pages(self, layer: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """``(pages, page_size, n_chunks, chunk_bytes / w)`` view of one layer on the host, in
+        elements of ``dtype`` (``w`` bytes; every stride, the offset and the size divisible by it)."""
+        pl, w = self.host, dtype.itemsize
         pages = self.host_raw.numel() // (pl.layer_num * pl.page_size * pl.item_bytes)
-        return self.host_raw.as_strided(
-            (pages, pl.page_size, pl.n_chunks, pl.chunk_bytes),
-            (pl.page, pl.token, pl.chunk, 1),
-            self.host_raw.storage_offset() + layer * pl.layer_stride,
+        raw = self.host_raw.view(dtype)
+        return raw.as_strided(
+            (pages, pl.page_size, pl.n_chunks, pl.chunk_bytes // w),
+            (pl.page // w, pl.token // w, pl.chunk // w, 1),
+            raw.storage_offset() + layer * pl.layer_stride // w,
         )
 
 

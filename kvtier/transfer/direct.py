@@ -100,21 +100,15 @@ def _gather_scatter(part: TransferPart, h: torch.Tensor, d: torch.Tensor, layer:
     pl, raw, dv = part.host, part.host_raw, part.device_layers[layer]
     dt = _widest(pl.chunk_bytes, pl.token, pl.chunk, pl.page, pl.layer_stride, raw.storage_offset(), raw.numel(),
                  dv.storage_offset())
-    w = dt.itemsize
     dv = dv.view(dv.shape[0], pl.n_chunks, pl.chunk_bytes).view(dt)
-    hraw = raw.view(dt)
-    if pl.tokens_linear:
-        slots = raw.numel() // (pl.layer_num * pl.item_bytes)
-        hv = hraw.as_strided((slots, pl.n_chunks, pl.chunk_bytes // w), (pl.token // w, pl.chunk // w, 1),
-                             hraw.storage_offset() + layer * pl.layer_stride // w)
+    pages = part.host_layer_pages(layer, dt)
+    if pl.tokens_linear:  # slot s sits at s * token: one index over the slots (view() never copies)
+        hv = pages.view(-1, *pages.shape[2:])
         if to_host:
             hv.index_copy_(0, h, dv.index_select(0, d))
         else:
             dv.index_copy_(0, d, hv.index_select(0, h))
         return
-    pages = hraw.as_strided((raw.numel() // (pl.layer_num * pl.page_size * pl.item_bytes), pl.page_size, pl.n_chunks,
-                             pl.chunk_bytes // w), (pl.page // w, pl.token // w, pl.chunk // w, 1),
-                            hraw.storage_offset() + layer * pl.layer_stride // w)
     if to_host:
         pages[h // pl.page_size, h % pl.page_size] = dv.index_select(0, d)
     else:
